@@ -1,0 +1,1 @@
+"""Data pipeline: cleaning, tokenization cache, pretrain and SFT datasets, bundled demo corpus."""

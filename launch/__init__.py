@@ -1,0 +1,1 @@
+"""Launchers: Slurm submission via submitit, DeepSpeed configs, multi-node command helpers."""

@@ -1,0 +1,183 @@
+"""Model configuration: one dataclass, named presets, validation and a closed-form parameter count."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Marks a config.json as ours, so it is never confused with a transformers config.json.
+MODEL_TYPE = "pocketlm"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot describe a working model; the message says what and what was expected."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape and architecture switches of a PocketLM decoder (Llama-style by default, GPT-2-style by flags)."""
+
+    vocab_size: int = 6400
+    hidden_size: int = 512
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    # None -> 64 * ceil(8/3 * d / 64) for SwiGLU (same parameter budget as a 4d GELU MLP), 4 * d for GELU.
+    intermediate_size: int | None = None
+    max_seq_len: int = 512  # training context
+    # Longest sequence generation may reach. RoPE extrapolates past max_seq_len; learned positions cannot.
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1e4
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    # Architecture switches. Llama style: rmsnorm + rope + swiglu, no biases.
+    # GPT-2 style: layernorm + learned + gelu, with biases.
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    position_embedding: str = "rope"  # "rope" | "learned"
+    mlp: str = "swiglu"  # "swiglu" | "gelu" (tanh approximation, as GPT-2)
+    bias: bool = False
+    # Runtime switch, not part of the architecture: recompute each block in backward to save activations.
+    gradient_checkpointing: bool = field(default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.intermediate_size is None and isinstance(self.hidden_size, int):
+            d = self.hidden_size
+            self.intermediate_size = 64 * math.ceil(8 * d / 3 / 64) if self.mlp == "swiglu" else 4 * d
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ConfigError naming the first inconsistency found."""
+        choices = {"norm": ("rmsnorm", "layernorm"), "position_embedding": ("rope", "learned"),
+                   "mlp": ("swiglu", "gelu")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not supported; expected one of {allowed}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "max_seq_len", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                              f"({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ConfigError(f"RoPE needs an even head dimension, got {self.head_dim} "
+                              f"(hidden_size {self.hidden_size} / {self.num_attention_heads} heads)")
+        if self.max_position_embeddings < self.max_seq_len:
+            raise ConfigError(f"max_position_embeddings ({self.max_position_embeddings}) must be >= "
+                              f"max_seq_len ({self.max_seq_len})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ConfigError("rope_theta and norm_eps must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def style(self) -> str:
+        """'llama' or 'gpt2' when the switches match one of the two reference architectures, else 'custom'."""
+        if (self.norm, self.position_embedding, self.mlp, self.bias) == ("rmsnorm", "rope", "swiglu", False):
+            return "llama"
+        if (self.norm, self.position_embedding, self.mlp) == ("layernorm", "learned", "gelu"):
+            return "gpt2"
+        return "custom"
+
+    # ------------------------------------------------------------- parameters
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Closed-form parameter count; tests check it against the instantiated module."""
+        d, f, L, V = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
+        kv = self.num_key_value_heads * self.head_dim
+        b = int(self.bias)
+        norm = d * (2 if self.norm == "layernorm" and self.bias else 1)
+        attn = (d * d + b * d) * 2 + (d * kv + b * kv) * 2  # q, o and k, v
+        mlp = (3 if self.mlp == "swiglu" else 2) * d * f + b * ((2 * f if self.mlp == "swiglu" else f) + d)
+        per_layer = attn + mlp + 2 * norm
+        embeddings = V * d + (self.max_position_embeddings * d if self.position_embedding == "learned" else 0)
+        head = 0 if self.tie_word_embeddings else V * d
+        total = L * per_layer + norm + embeddings + head
+        return total - embeddings - head if non_embedding else total
+
+    # -------------------------------------------------------------- JSON I/O
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("gradient_checkpointing")
+        return {"model_type": MODEL_TYPE, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ModelConfig":
+        if d.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+            raise ConfigError(f"{source}: model_type is {d.get('model_type')!r}, expected {MODEL_TYPE!r} "
+                              "(a transformers directory? import it with `python -m model.convert --from_hf`)")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known - {"model_type"})
+        if unknown:
+            raise ConfigError(f"{source}: unknown config keys {unknown}; expected a subset of {sorted(known)}")
+        try:
+            return cls(**{k: v for k, v in d.items() if k in known})
+        except TypeError as e:  # e.g. a string where an int belongs breaks arithmetic in __post_init__
+            raise ConfigError(f"{source}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        return cls.from_dict(d, source=str(path))
+
+
+# ---------------------------------------------------------------------- presets
+# MiniMind shapes (vocab 6400, GQA with 2 KV heads) and a GPT-2-style 100M model with a 16384 vocabulary.
+PRESETS: dict[str, dict[str, Any]] = {
+    "minimind-26m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2),
+    "minimind-104m": dict(hidden_size=768, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2),
+    "mini-30m": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2),
+    "gpt2-100m": dict(vocab_size=16384, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=12, max_seq_len=512, max_position_embeddings=512,
+                      norm="layernorm", position_embedding="learned", mlp="gelu", bias=True),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_seq_len=64, max_position_embeddings=256),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset, with optional field overrides (e.g. vocab_size from a tokenizer)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ConfigError(f"unknown config fields {bad}")
+    return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+def preset_table() -> str:
+    """Markdown table of the presets' shapes and parameter counts (pasted into the README)."""
+    rows = ["| preset | style | d_model | layers | heads (kv) | ffn | vocab | ctx | params | non-embedding |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in PRESETS:
+        c = get_preset(name)
+        rows.append(f"| `{name}` | {c.style} | {c.hidden_size} | {c.num_hidden_layers} | "
+                    f"{c.num_attention_heads} ({c.num_key_value_heads}) | {c.intermediate_size} | {c.vocab_size} | "
+                    f"{c.max_seq_len} | {c.num_parameters() / 1e6:.2f}M | "
+                    f"{c.num_parameters(non_embedding=True) / 1e6:.2f}M |")
+    return "\n".join(rows)

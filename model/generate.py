@@ -1,0 +1,148 @@
+"""Autoregressive generation: logits filters with Hugging Face semantics and a KV-cached decode loop."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .model import KVCache, PocketLM
+
+NEG_INF = float("-inf")
+
+
+# ------------------------------------------------------------------------ logits filters
+# Each takes float logits of shape (B, V) and returns new logits; the order in sample_next is the one
+# transformers uses: repetition penalty, then temperature, top-k, top-p.
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty on tokens already in the sequence (`seen`, a (B, V) bool mask).
+
+    Positive logits are divided by the penalty and negative ones multiplied, so both become less likely.
+    """
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits per row (ties with the k-th are kept too); k <= 0 disables."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability reaches p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= 1.0 - p  # the low tail whose mass stays within 1 - p
+    drop_sorted[..., -1] = False  # always keep the most likely token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def sample_next(logits: torch.Tensor, seen: torch.Tensor | None = None, temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row from (B, V) logits. temperature == 0 means greedy (argmax)."""
+    if temperature < 0 or not 0.0 < top_p <= 1.0 or repetition_penalty <= 0:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, repetition_penalty > 0; got "
+                         f"{temperature}, {top_p}, {repetition_penalty}")
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = apply_top_p(apply_top_k(logits / temperature, top_k), top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------- decode
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
+             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-align prompts of different lengths: (ids, attention_mask), both (B, longest)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+             eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
+             on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+             generator: torch.Generator | None = None, use_cache: bool = True) -> list[list[int]]:
+    """Continue each prompt (a list of token ids) by up to max_new_tokens; return the new ids per prompt.
+
+    Prompts are left-padded into one batch with per-row positions, so each row decodes exactly as it would
+    alone. A row stops at its first EOS id (not included in the result). on_token(tokens, active) is called
+    after every step with the (B,) sampled ids and a (B,) bool mask of rows that produced a real token.
+    use_cache=False recomputes the whole sequence each step (slow; a reference for tests and benchmarks).
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    cfg = model.config
+    device = next(model.parameters()).device
+    ids, pad_mask = left_pad(prompts, pad_token_id, device)
+    B, P = ids.shape
+    total = P + max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+    was_training = model.training
+    model.eval()
+
+    # Preallocated per-step state: padding mask over all slots, positions, repetition "seen" set.
+    attention_mask = torch.ones((B, total), dtype=torch.long, device=device)
+    attention_mask[:, :P] = pad_mask
+    positions = (pad_mask.cumsum(-1) - 1).clamp(min=0)
+    seen = torch.zeros((B, cfg.vocab_size + 1), dtype=torch.bool, device=device)  # last column absorbs pads
+    seen.scatter_(1, ids.masked_fill(pad_mask == 0, cfg.vocab_size), True)
+    seen = seen[:, :-1]
+    eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long, device=device)
+    out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)  # real tokens produced per row
+
+    cache = None
+    if use_cache:
+        dtype = next(model.parameters()).dtype
+        cache = KVCache(cfg, B, total, device=device, dtype=dtype)
+    logits = model(ids, position_ids=positions, attention_mask=attention_mask[:, :P], kv_cache=cache,
+                   last_only=True)[:, -1]
+    all_ids, all_pos = ids, positions
+    for n in range(1, max_new_tokens + 1):
+        token = sample_next(logits, seen, temperature, top_k, top_p, repetition_penalty, generator)
+        is_eos = torch.isin(token, eos) if eos.numel() else torch.zeros_like(done)
+        active = ~done & ~is_eos
+        token = token.masked_fill(~active, pad_token_id)
+        out[:, n - 1] = token
+        lengths += active
+        if on_token is not None:
+            on_token(token, active)
+        done |= is_eos
+        if n == max_new_tokens or bool(done.all()):
+            break
+        seen[active, token[active]] = True
+        next_pos = positions[:, -1:] + n
+        if use_cache:
+            logits = model(token[:, None], position_ids=next_pos, attention_mask=attention_mask[:, :P + n],
+                           kv_cache=cache, last_only=True)[:, -1]
+        else:
+            all_ids = torch.cat([all_ids, token[:, None]], dim=1)
+            all_pos = torch.cat([all_pos, next_pos], dim=1)
+            logits = model(all_ids, position_ids=all_pos, attention_mask=attention_mask[:, :P + n],
+                           last_only=True)[:, -1]
+    model.train(was_training)
+
+    return [row[:length] for row, length in zip(out.tolist(), lengths.tolist())]

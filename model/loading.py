@@ -1,0 +1,165 @@
+"""Save and load finished models for inference: weights (safetensors) + config.json + tokenizer files.
+
+A model directory holds `model.safetensors`, `config.json` (a PocketLM ModelConfig) and, when known, the
+tokenizer files. A run directory (`out/<run>`) points at its newest model directory through a `latest` file.
+Single weight files (.safetensors, or MiniMind-style .pth state dicts) load too, with a config beside them or
+given explicitly. Every failure raises CheckpointError with a one-line message naming the file.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, ModelConfig
+from .model import PocketLM
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+LATEST_NAME = "latest"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# Prefixes other tools wrap around parameter names: DDP, torch.compile, HF/MiniMind's inner `model.`.
+STRIP_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as a PocketLM model; the message names the file and the problem."""
+
+
+def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy whichever tokenizer files exist in src_dir; return their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src_dir) / name).is_file():
+            shutil.copy2(Path(src_dir) / name, Path(dst_dir) / name)
+            copied.append(name)
+    return copied
+
+
+def save_model(model: PocketLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write weights + config (+ tokenizer files) into out_dir. Callers wanting atomicity write to a temp dir."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # same tensor as embed_tokens.weight; safetensors refuses shared storage
+    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    model.config.save(out / CONFIG_NAME)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, out)
+    return out
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """Follow a run directory's `latest` pointer to the model directory it names."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    latest = path / LATEST_NAME
+    if path.is_dir() and not (path / WEIGHTS_NAME).exists() and latest.is_file():
+        target = path / latest.read_text().strip()
+        if not (target / WEIGHTS_NAME).is_file():
+            raise CheckpointError(f"{latest}: points at {target}, which holds no {WEIGHTS_NAME}")
+        return target
+    return path
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors from a .safetensors file or a torch state dict (.pth/.pt/.bin), with wrapper prefixes removed."""
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except Exception as e:  # noqa: BLE001 - any parse failure means "not a weights file"
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{path}: not a readable weights file ({first_line[:200]})") from None
+    for key in ("model", "state_dict", "model_state_dict"):  # common wrappers around a state dict
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a dict of parameter tensors (a model state dict)")
+    clean = {}
+    for name, tensor in state.items():
+        for prefix in STRIP_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        clean[name] = tensor
+    return clean
+
+
+def load_state_into(model: PocketLM, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy tensors into model after checking names and shapes against its config."""
+    expected = model.state_dict()
+    state = dict(state)
+    if model.config.tie_word_embeddings and "lm_head.weight" in state:
+        head = state.pop("lm_head.weight")  # MiniMind .pth files store the tied tensor twice
+        emb = state.get("embed_tokens.weight")
+        if emb is not None and head.shape == emb.shape and not torch.equal(head, emb):
+            raise CheckpointError(f"{source}: lm_head.weight differs from embed_tokens.weight but the config "
+                                  "says tie_word_embeddings=true")
+    wanted = {k for k in expected if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    layer_ids = {int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    if layer_ids and len(layer_ids) != model.config.num_hidden_layers:
+        raise CheckpointError(f"{source}: checkpoint has {len(layer_ids)} layers but the config expects "
+                              f"{model.config.num_hidden_layers} (was it trained with another preset or config?)")
+    missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})")
+        raise CheckpointError(f"{source}: not a PocketLM checkpoint for this config: {'; '.join(parts)}")
+    for name in sorted(wanted):
+        got, want = tuple(state[name].shape), tuple(expected[name].shape)
+        if got != want:
+            raise CheckpointError(f"{source}: tensor {name} has shape {got} but the config expects {want} "
+                                  "(was it trained with another preset or config?)")
+    model.load_state_dict(state, strict=False)  # strictness checked above; lm_head is tied
+
+
+def load_model(path: str | Path, config: ModelConfig | None = None, device: torch.device | str = "cpu",
+               dtype: torch.dtype | None = None) -> tuple[PocketLM, Path]:
+    """Load a model from a run dir, a model dir, or a weights file; return (model in eval mode, its dir).
+
+    The config comes from `config` if given, else from config.json next to the weights.
+    """
+    path = resolve_model_dir(path)
+    weights = path / WEIGHTS_NAME if path.is_dir() else path
+    model_dir = weights.parent
+    if path.is_dir() and not weights.is_file():
+        raise CheckpointError(f"{path}: no {WEIGHTS_NAME} here and no `{LATEST_NAME}` pointer "
+                              "(expected a PocketLM run or model directory)")
+    if config is None:
+        config_path = model_dir / CONFIG_NAME
+        if not config_path.is_file():
+            raise CheckpointError(f"{weights}: no {CONFIG_NAME} beside it; pass a preset or config explicitly")
+        try:
+            config = ModelConfig.load(config_path)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+    model = PocketLM(config)
+    load_state_into(model, read_state_dict(weights), str(weights))
+    model.to(device=device, dtype=dtype).eval()
+    return model, model_dir
+
+
+def special_token_ids(tokenizer_dir: str | Path) -> dict[str, int]:
+    """Map special-token strings (e.g. '<|im_end|>') to ids from a tokenizer.json, if one is present."""
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    try:
+        added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens", [])
+        return {t["content"]: int(t["id"]) for t in added if t.get("special")}
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable tokenizer file ({e})") from None

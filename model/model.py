@@ -1,0 +1,280 @@
+"""The PocketLM decoder: a Llama-style transformer (GPT-2-style by config switches) in one readable file.
+
+Read top-down: norms -> rotary positions -> attention (with GQA and a preallocated KV cache) -> MLP -> block
+-> the model. Parameter names follow the Hugging Face Llama layout (`layers.0.self_attn.q_proj.weight`, ...), so
+exporting is a rename and MiniMind checkpoints, which use the same names, load as they are.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelConfig
+
+
+# ----------------------------------------------------------------------------- norms
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32: under bf16 autocast the mean of squares would lose precision."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+# ------------------------------------------------------------------ rotary positions
+def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_positions, head_dim), computed once in fp32.
+
+    The "rotate_half" layout (frequencies repeated over both halves of the head) is the Hugging Face Llama
+    convention, so exported weights need no permutation of q/k rows.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) queries or keys by their positions' angles; cos/sin are (B or 1, 1, T, D)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# ------------------------------------------------------------------------- KV cache
+class KVCache:
+    """Keys and values of every layer, preallocated for the whole generation and filled in place.
+
+    Growing the cache with torch.cat would copy it on every decoded token (quadratic traffic); writing into a
+    fixed buffer keeps each step O(current length). Keys are stored before GQA expansion, so the cache holds
+    num_key_value_heads, not num_attention_heads.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0  # number of positions already stored
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's (B, KV, T, D) keys/values for `layer`; return everything cached so far."""
+        start, end = self.length, self.length + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+# ------------------------------------------------------------------------ attention
+class Attention(nn.Module):
+    """Multi-head causal self-attention with grouped-query heads, rotary positions and SDPA."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = nn.Linear(d, d, bias=cfg.bias)
+        self.k_proj = nn.Linear(d, kv, bias=cfg.bias)
+        self.v_proj = nn.Linear(d, kv, bias=cfg.bias)
+        self.o_proj = nn.Linear(d, d, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        # GQA: each KV head serves n_heads / n_kv_heads query heads. Expanding here (rather than SDPA's
+        # enable_gqa) keeps every SDPA backend, flash included, eligible.
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        # mask=None means "plain causal over this chunk": the fast is_causal path used in training.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.o_proj(y))
+
+
+# ------------------------------------------------------------------------------ MLP
+class MLP(nn.Module):
+    """SwiGLU (silu(gate) * up -> down) for Llama style, or GELU (up -> gelu -> down) for GPT-2 style."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gated = cfg.mlp == "swiglu"
+        if self.gated:
+            self.gate_proj = nn.Linear(d, f, bias=cfg.bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = F.gelu(self.up_proj(x), approximate="tanh")
+        return self.dropout(self.down_proj(h))
+
+
+# ---------------------------------------------------------------------------- block
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------- model
+class PocketLM(nn.Module):
+    """Decoder-only language model: token ids (B, T) -> next-token logits (B, T, vocab)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_positions = (nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+                                if cfg.position_embedding == "learned" else None)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if cfg.position_embedding == "rope":
+            # Not persistent: derived from the config, so never stored in (or expected from) a checkpoint.
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2 * n_layers).
+
+        Each block adds two residual branches; scaling their output projections keeps the residual stream's
+        variance from growing with depth.
+        """
+        std = self.config.initializer_range
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                scale = 1 / math.sqrt(2 * self.config.num_hidden_layers) if name.endswith(
+                    ("o_proj", "down_proj")) else 1.0
+                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute each block during backward instead of storing its activations (less memory, ~30% slower)."""
+        self.config.gradient_checkpointing = enabled
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() yields tied tensors once
+
+    def _attention_mask(self, attention_mask: torch.Tensor | None, start: int, T: int,
+                        device: torch.device) -> torch.Tensor | None:
+        """Boolean (B or 1, 1, T, start+T) mask, True = may attend; None = plain causal (SDPA fast path).
+
+        attention_mask is the Hugging Face-style (B, start+T) padding mask over cached and new tokens. Causality
+        is by cache slot: with left padding a row's slot order is its token order.
+        """
+        if attention_mask is None and start == 0:
+            return None
+        q_slot = torch.arange(start, start + T, device=device)[:, None]
+        k_slot = torch.arange(start + T, device=device)[None, :]
+        allowed = (k_slot <= q_slot)[None, None]
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, None, None, : start + T].bool()
+            # A padding query would see no key at all and SDPA would return NaN for it; let it see itself.
+            # Real tokens already attend to themselves, so their outputs are unchanged.
+            allowed = allowed | (k_slot == q_slot)
+        return allowed
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits for every position (or only the last with last_only=True, as prefill needs).
+
+        position_ids default to consecutive positions after what kv_cache holds; pass them explicitly for
+        left-padded batches (position = number of real tokens before it).
+        """
+        B, T = input_ids.shape
+        start = kv_cache.length if kv_cache is not None else 0
+        if kv_cache is not None and start + T > kv_cache.max_len:
+            raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {start + T} requested")
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=input_ids.device)[None]
+            contiguous = True
+        else:
+            contiguous = False
+        max_pos = int(position_ids.max()) if not contiguous else start + T - 1
+        if max_pos >= self.config.max_position_embeddings:
+            raise ValueError(f"position {max_pos} is beyond max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+
+        x = self.embed_tokens(input_ids)
+        rope = None
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(position_ids)
+        else:
+            if contiguous:  # slicing avoids a gather in the common (training) case
+                rope = (self.rope_cos[start:start + T][None, None], self.rope_sin[start:start + T][None, None])
+            else:
+                rope = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])
+        x = self.dropout(x)
+
+        mask = self._attention_mask(attention_mask, start, T, input_ids.device)
+        for layer in self.layers:
+            if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, rope, mask, kv_cache, use_reentrant=False)
+            else:
+                x = layer(x, rope, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += T
+
+        x = self.norm(x[:, -1:] if last_only else x)
+        return self.lm_head(x)

@@ -1,0 +1,167 @@
+"""Export to / import from transformers, checkpoint loading, and the convert CLI's error messages."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, tiny_config
+
+from model import CheckpointError, PocketLM, get_preset, load_model, save_model
+from model.convert import export_hf, import_hf
+
+transformers = pytest.importorskip("transformers")
+
+CASES = {
+    "llama-gqa-tied": tiny_config("llama", rope_theta=5e4),
+    "llama-mha-untied": tiny_config("llama", num_key_value_heads=4, tie_word_embeddings=False),
+    "gpt2-tied": tiny_config("gpt2"),
+    "gpt2-untied-nobias": tiny_config("gpt2", tie_word_embeddings=False, bias=False),
+}
+
+
+def _random_model(cfg) -> PocketLM:
+    model = PocketLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a mis-mapped one would show
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_export_logits_match_transformers(case, tmp_path):
+    model = _random_model(CASES[case])
+    save_model(model, tmp_path / "ours")
+    export_hf(tmp_path / "ours", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    expected_cls = "GPT2LMHeadModel" if case.startswith("gpt2") else "LlamaForCausalLM"
+    assert type(hf).__name__ == expected_cls
+    ids = torch.randint(0, 256, (2, 100))  # longer than max_seq_len (64): RoPE past the training context
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_round_trip_through_transformers_is_exact(case, tmp_path):
+    model = _random_model(CASES[case])
+    save_model(model, tmp_path / "ours")
+    export_hf(tmp_path / "ours", tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    back, _ = load_model(tmp_path / "back")
+    assert back.config.style == model.config.style
+    ids = torch.randint(0, 256, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), atol=1e-6, rtol=0)
+
+
+def test_import_transformers_llama_with_gqa(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=20000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    ours, _ = load_model(tmp_path / "ours")
+    assert ours.config.num_key_value_heads == 2 and ours.config.rope_theta == 20000.0
+    ids = torch.randint(0, 300, (2, 50))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_import_transformers_gpt2(tmp_path):
+    cfg = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    ours, _ = load_model(tmp_path / "ours")
+    ids = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_unsupported_transformers_config_is_named(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, hidden_act="gelu")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="hidden_act=gelu"):
+        import_hf(tmp_path / "hf", tmp_path / "ours")
+
+
+def test_export_copies_tokenizer_and_sets_special_ids(tmp_path):
+    model = _random_model(CASES["llama-gqa-tied"])
+    save_model(model, tmp_path / "ours")
+    added = [{"id": i, "content": c, "special": True} for i, c in
+             enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])]
+    (tmp_path / "ours" / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    export_hf(tmp_path / "ours", tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_cfg["eos_token_id"] == [2, 0] and hf_cfg["pad_token_id"] == 0
+
+
+def test_run_dir_latest_pointer_and_minimind_style_pth(tmp_path):
+    model = _random_model(CASES["llama-gqa-tied"])
+    save_model(model, tmp_path / "run" / "step_00000010")
+    (tmp_path / "run" / "latest").write_text("step_00000010\n")
+    loaded, model_dir = load_model(tmp_path / "run")
+    assert model_dir.name == "step_00000010"
+    # MiniMind saves a plain state dict with HF names ("model." prefix) and the tied head stored twice
+    sd = {("model." + k if not k.startswith("lm_head") else k): v for k, v in model.state_dict().items()}
+    torch.save(sd, tmp_path / "mm.pth")
+    pth_model, _ = load_model(tmp_path / "mm.pth", config=model.config)
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(pth_model(ids), model(ids), atol=0, rtol=0)
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    model = _random_model(CASES["llama-gqa-tied"])
+    save_model(model, tmp_path / "ours")
+    wrong = tiny_config("llama", num_key_value_heads=4)
+    with pytest.raises(CheckpointError, match=r"k_proj.weight has shape \(32, 64\) but the config expects \(64, 64\)"):
+        load_model(tmp_path / "ours", config=wrong)
+
+
+def _convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "model.convert", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    ("text", ["--checkpoint", "{d}/notes.txt", "--preset", "tiny"], "notes.txt: not a readable weights file"),
+    ("none", ["--checkpoint", "{d}/missing"], "missing: no such file or directory"),
+    ("emptydir", ["--checkpoint", "{d}"], "no model.safetensors here"),
+    ("ours", ["--checkpoint", "{d}/ours", "--preset", "minimind-26m"], "has 2 layers but the config expects 8"),
+    ("ours", ["--checkpoint", "{d}/ours/model.safetensors", "--preset", "mini-30m"], "has 2 layers"),
+    ("ours", ["--checkpoint", "{d}/ours", "--preset", "nope"], "unknown preset 'nope'"),
+    ("foreign", ["--checkpoint", "{d}/foreign.pth", "--preset", "tiny"], "expected a dict of parameter tensors"),
+    ("custom", ["--checkpoint", "{d}/custom"], "no transformers class matches"),
+    ("none", ["--from_hf", "{d}", "--out_dir", "{d}/x"], "no config.json"),
+])
+def test_convert_cli_errors_are_one_line(tmp_path, setup, args, message):
+    if setup == "text":
+        (tmp_path / "notes.txt").write_text("hello")
+    elif setup == "ours":
+        save_model(PocketLM(tiny_config()), tmp_path / "ours")
+    elif setup == "foreign":
+        torch.save([1, 2, 3], tmp_path / "foreign.pth")
+    elif setup == "custom":
+        save_model(PocketLM(tiny_config(norm="layernorm")), tmp_path / "custom")
+    args = [a.format(d=tmp_path) for a in args]
+    if "--out_dir" not in args:
+        args += ["--out_dir", str(tmp_path / "hf_out")]
+    result = _convert(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message in lines[0]
+
+
+def test_convert_cli_success(tmp_path):
+    save_model(PocketLM(get_preset("tiny")), tmp_path / "ours")
+    result = _convert("--checkpoint", str(tmp_path / "ours"), "--out_dir", str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -1,0 +1,144 @@
+"""Generation: KV cache vs full recompute, left-padded batches, sampling filters vs transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from model import KVCache, PocketLM, generate
+from model.generate import apply_repetition_penalty, apply_top_k, apply_top_p, sample_next
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_kv_cache_decode_matches_full_recompute(style):
+    model = PocketLM(tiny_config(style)).eval()
+    ids = torch.randint(0, 256, (1, 40))
+    full = model(ids)
+    cache = KVCache(model.config, 1, 40)
+    steps = [model(ids[:, :12], kv_cache=cache)]  # prefill, then one token at a time
+    steps += [model(ids[:, t:t + 1], kv_cache=cache) for t in range(12, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_kv_cache_matches_past_the_training_context():
+    """RoPE positions beyond max_seq_len (64) stay consistent up to max_position_embeddings (256)."""
+    model = PocketLM(tiny_config()).eval()
+    ids = torch.randint(0, 256, (1, 200))
+    full = model(ids)
+    cache = KVCache(model.config, 1, 200)
+    model(ids[:, :150], kv_cache=cache)
+    step = model(ids[:, 150:151], kv_cache=cache)
+    torch.testing.assert_close(step[:, 0], full[:, 150], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_left_padded_batch_matches_each_prompt_alone(style):
+    model = PocketLM(tiny_config(style)).eval()
+    prompts = [torch.randint(1, 256, (n,)).tolist() for n in (5, 17, 11)]
+    batched = generate(model, prompts, max_new_tokens=12, temperature=0, pad_token_id=0)
+    for prompt, got in zip(prompts, batched):
+        assert got == generate(model, [prompt], max_new_tokens=12, temperature=0)[0]
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_cached_and_uncached_generation_agree(style):
+    model = PocketLM(tiny_config(style)).eval()
+    prompts = [torch.randint(1, 256, (n,)).tolist() for n in (3, 9)]
+    kw = dict(max_new_tokens=20, temperature=0, repetition_penalty=1.3)
+    assert generate(model, prompts, use_cache=True, **kw) == generate(model, prompts, use_cache=False, **kw)
+
+
+def test_padded_prefill_logits_match_unpadded():
+    model = PocketLM(tiny_config()).eval()
+    prompt = torch.randint(1, 256, (1, 9))
+    padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), prompt], dim=1)
+    mask = torch.cat([torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(padded, position_ids=positions, attention_mask=mask)
+    assert torch.isfinite(out).all()  # padding queries must not produce NaN
+    torch.testing.assert_close(out[:, 6:], model(prompt), atol=1e-5, rtol=0)
+
+
+def test_sampling_is_seeded_and_respects_eos_and_streaming():
+    model = PocketLM(tiny_config()).eval()
+    kw = dict(max_new_tokens=15, temperature=0.9, top_k=20, top_p=0.9)
+    a = generate(model, [[1, 2, 3]], generator=torch.Generator().manual_seed(1), **kw)
+    b = generate(model, [[1, 2, 3]], generator=torch.Generator().manual_seed(1), **kw)
+    assert a == b and len(a[0]) == 15
+    stop = a[0][4]  # declare the 5th sampled token an EOS: output stops right before its first occurrence
+    streamed: list[int] = []
+    c = generate(model, [[1, 2, 3]], generator=torch.Generator().manual_seed(1), eos_token_ids=[stop],
+                 on_token=lambda tok, active: streamed.extend(tok[active].tolist()), **kw)
+    assert c[0] == a[0][:a[0].index(stop)] == streamed
+
+
+def test_finished_rows_stop_while_others_continue():
+    model = PocketLM(tiny_config()).eval()
+    prompts = [[5, 6, 7], [9, 8]]
+    free = generate(model, prompts, max_new_tokens=10, temperature=0)
+    eos = free[0][0]
+    if eos in free[1]:
+        pytest.skip("random model produced the same token in both rows")
+    out = generate(model, prompts, max_new_tokens=10, temperature=0, eos_token_ids=[eos])
+    assert out == [[], free[1]]
+
+
+def test_generation_past_max_positions_is_refused():
+    model = PocketLM(tiny_config()).eval()
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        generate(model, [[1] * 250], max_new_tokens=10)
+
+
+# ----------------------------------------------------------- filters vs transformers' processors
+transformers = pytest.importorskip("transformers")
+from transformers.generation.logits_process import (  # noqa: E402
+    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+
+def _logits_and_ids(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 300, generator=g) * 3
+    ids = torch.randint(0, 300, (4, 25), generator=g)
+    seen = torch.zeros(4, 300, dtype=torch.bool).scatter_(1, ids, True)
+    return logits, ids, seen
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_filters_match_transformers(seed):
+    logits, ids, seen = _logits_and_ids(seed)
+    for penalty in (0.7, 1.0, 1.3):
+        want = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+        torch.testing.assert_close(apply_repetition_penalty(logits, seen, penalty), want, atol=0, rtol=0)
+    for k in (1, 5, 50, 299):
+        torch.testing.assert_close(apply_top_k(logits, k), TopKLogitsWarper(k)(ids, logits.clone()))
+    for p in (0.05, 0.5, 0.9, 0.99):
+        torch.testing.assert_close(apply_top_p(logits, p), TopPLogitsWarper(p)(ids, logits.clone()))
+    for t in (0.3, 1.0, 1.7):
+        torch.testing.assert_close(logits / t, TemperatureLogitsWarper(t)(ids, logits.clone()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_full_filter_chain_matches_transformers_distribution(seed):
+    """The composed chain (penalty -> temperature -> top-k -> top-p) gives transformers' exact distribution."""
+    logits, ids, seen = _logits_and_ids(seed)
+    want = logits.clone()
+    for proc in (RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.8), TopKLogitsWarper(40),
+                 TopPLogitsWarper(0.85)):
+        want = proc(ids, want)
+    ours = apply_top_p(apply_top_k(apply_repetition_penalty(logits, seen, 1.2) / 0.8, 40), 0.85)
+    torch.testing.assert_close(ours.softmax(-1), want.softmax(-1))
+    # and samples only ever come from the kept set
+    draws = torch.stack([sample_next(logits, seen, 0.8, 40, 0.85, 1.2, torch.Generator().manual_seed(s))
+                         for s in range(50)])
+    assert torch.isfinite(want.gather(1, draws.T)).all()
+
+
+def test_greedy_is_argmax_after_penalty():
+    logits, ids, seen = _logits_and_ids(0)
+    got = sample_next(logits, seen, temperature=0, repetition_penalty=1.5)
+    assert torch.equal(got, RepetitionPenaltyLogitsProcessor(1.5)(ids, logits.clone()).argmax(-1))
+
+
+def test_bad_sampling_arguments():
+    with pytest.raises(ValueError, match="top_p"):
+        sample_next(torch.zeros(1, 5), top_p=0.0)

@@ -1,0 +1,159 @@
+"""The decoder itself: causality, parameter counts, init, checkpointing, config validation."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from model import PRESETS, ConfigError, ModelConfig, PocketLM, get_preset
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_changing_a_token_never_changes_earlier_logits(style):
+    model = PocketLM(tiny_config(style)).eval()
+    x = torch.randint(0, 256, (2, 24))
+    base = model(x)
+    for t in (0, 7, 23):
+        y = x.clone()
+        y[:, t] = (y[:, t] + 1) % 256
+        out = model(y)
+        torch.testing.assert_close(out[:, :t], base[:, :t], atol=0, rtol=0)  # bit-identical before t
+        assert not torch.allclose(out[:, t], base[:, t])  # and the change is seen at t itself
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_parameter_count_matches_closed_form(name):
+    cfg = get_preset(name)
+    with torch.device("meta"):  # no memory, no init cost: only shapes are needed
+        model = PocketLM(cfg)
+    assert model.num_parameters() == cfg.num_parameters()
+
+
+def test_known_preset_sizes():
+    assert round(get_preset("minimind-26m").num_parameters() / 1e6, 1) == 25.8
+    assert round(get_preset("minimind-104m").num_parameters() / 1e6) == 104
+    assert 95e6 < get_preset("gpt2-100m").num_parameters() < 105e6
+    assert get_preset("minimind-26m").intermediate_size == 1408  # 64 * ceil(8/3 * 512 / 64)
+
+
+@pytest.mark.parametrize("overrides", [dict(tie_word_embeddings=False), dict(bias=True),
+                                       dict(norm="layernorm", bias=False)])
+def test_parameter_count_variants(overrides):
+    cfg = tiny_config(**overrides)
+    assert PocketLM(cfg).num_parameters() == cfg.num_parameters()
+
+
+def test_tied_embeddings_share_storage():
+    model = PocketLM(tiny_config())
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    untied = PocketLM(tiny_config(tie_word_embeddings=False))
+    assert untied.lm_head.weight.data_ptr() != untied.embed_tokens.weight.data_ptr()
+
+
+def test_init_scales_residual_projections():
+    cfg = get_preset("mini-30m", num_hidden_layers=8)
+    model = PocketLM(cfg)
+    std_q = model.layers[0].self_attn.q_proj.weight.std().item()
+    std_o = model.layers[0].self_attn.o_proj.weight.std().item()
+    std_down = model.layers[0].mlp.down_proj.weight.std().item()
+    assert abs(std_q - 0.02) < 1e-3
+    for std in (std_o, std_down):
+        assert abs(std - 0.02 / 4) < 5e-4  # 1/sqrt(2 * 8 layers) = 1/4
+    assert torch.all(model.layers[0].input_layernorm.weight == 1)
+
+
+def test_no_biases_in_llama_style():
+    model = PocketLM(tiny_config())
+    assert not [n for n, _ in model.named_parameters() if n.endswith("bias")]
+
+
+def test_rmsnorm_computes_in_fp32_under_bf16():
+    from model.model import RMSNorm
+    norm = RMSNorm(64, 1e-5)
+    x = torch.randn(4, 64) * 300  # squares overflow bf16 precision badly if summed in bf16
+    ref = x / x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
+    out = norm(x.bfloat16())
+    torch.testing.assert_close(out.float(), ref.bfloat16().float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_gradient_checkpointing_gives_same_gradients(style):
+    cfg = tiny_config(style)
+    model = PocketLM(cfg).train()
+    x = torch.randint(0, 256, (2, 32))
+
+    def grads(enabled: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        model.set_gradient_checkpointing(enabled)
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), x[:, 1:].reshape(-1)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, ckpt = grads(False), grads(True)
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_bf16_autocast_forward_backward():
+    model = PocketLM(tiny_config()).train()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), x.reshape(-1))
+    loss.backward()
+    assert torch.isfinite(loss) and model.embed_tokens.weight.grad is not None
+
+
+def test_config_json_round_trip(tmp_path):
+    for name in PRESETS:
+        cfg = get_preset(name)
+        cfg.save(tmp_path / "c.json")
+        assert ModelConfig.load(tmp_path / "c.json") == cfg
+    assert json.loads((tmp_path / "c.json").read_text())["model_type"] == "pocketlm"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(hidden_size=100, num_attention_heads=8), "divisible by num_attention_heads"),
+    (dict(num_attention_heads=8, num_key_value_heads=3), "divisible by num_key_value_heads"),
+    (dict(norm="batchnorm"), "norm='batchnorm' is not supported"),
+    (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    (dict(max_seq_len=1024, max_position_embeddings=512), "max_position_embeddings (512) must be >="),
+])
+def test_inconsistent_configs_are_rejected(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig(**kwargs)
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match="unknown preset 'gpt5'.*minimind-26m"):
+        get_preset("gpt5")
+
+
+def test_bad_config_files(tmp_path):
+    (tmp_path / "a.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="a.json: not valid JSON"):
+        ModelConfig.load(tmp_path / "a.json")
+    (tmp_path / "b.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ConfigError, match="model_type is 'llama'"):
+        ModelConfig.load(tmp_path / "b.json")
+    (tmp_path / "c.json").write_text(json.dumps({"hidden_size": 64, "n_embd": 3}))
+    with pytest.raises(ConfigError, match=r"unknown config keys \['n_embd'\]"):
+        ModelConfig.load(tmp_path / "c.json")
+    (tmp_path / "d.json").write_text(json.dumps({"hidden_size": "64"}))
+    with pytest.raises(ConfigError, match="hidden_size must be a positive integer, got .64."):
+        ModelConfig.load(tmp_path / "d.json")
+
+
+def test_learned_positions_refuse_positions_past_the_table():
+    model = PocketLM(tiny_config("gpt2", max_position_embeddings=64)).eval()
+    with pytest.raises(ValueError, match="beyond max_position_embeddings"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_readme_preset_table_is_current():
+    from conftest import ROOT
+
+    from model.config import preset_table
+    assert preset_table() in (ROOT / "README.md").read_text(), "README preset table is stale: run python -m model"

@@ -1,0 +1,1 @@
+"""Training machinery shared by the pretrain and SFT scripts: one loop, backends, checkpoints, metrics."""
