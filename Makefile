@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: install install-dev test
+.PHONY: install install-dev test demo
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
@@ -19,3 +19,7 @@ test: install-dev
 	@$(PYTHON) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: no tests were collected or run" >&2; fi; \
 	exit $$rc
+
+# The end-to-end pipeline on the bundled corpus; each stage is added as it lands.
+demo: install
+	$(PYTHON) -m model
