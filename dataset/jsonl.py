@@ -1,0 +1,160 @@
+"""Streaming JSON Lines reading with file:line errors, record validation and counted skips.
+
+Every data stage (cleaning, tokenizer training, tokenization) reads through here, so a bad line is reported
+the same way everywhere: `DataError("data.jsonl:17: invalid JSON (...)")`, or skipped and counted when the
+user asked for `--skip_bad_lines`.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+# A "line" longer than this is almost always a JSON array or a whole file on one line, not a record.
+DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
+ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """Bad input data; the message starts with `file:line:` when a line is at fault."""
+
+
+@dataclass
+class SkipReport:
+    """Counts of skipped lines per reason, plus the first few locations for the user to look at."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, reason: str, where: str) -> None:
+        self.counts[reason] += 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{where}: {reason}")
+
+    def merge(self, other: "SkipReport") -> None:
+        self.counts.update(other.counts)
+        self.examples.extend(other.examples[: max(0, 5 - len(self.examples))])
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> str:
+        if not self.total:
+            return "no lines skipped"
+        reasons = ", ".join(f"{n} {r}" for r, n in self.counts.most_common())
+        return f"skipped {self.total} bad lines ({reasons}); first: " + "; ".join(self.examples)
+
+
+def check_path(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a .jsonl file")
+    return path
+
+
+def iter_raw_lines(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                   start_offset: int = 0) -> Iterator[tuple[int, bytes]]:
+    """Yield (line number, raw bytes without newline), bounded in memory by max_line_bytes.
+
+    Blank lines are skipped silently (common at file ends). A longer line raises DataError without being
+    read whole.
+    """
+    path = check_path(path)
+    with open(path, "rb") as f:
+        f.seek(start_offset)
+        lineno = 0
+        while True:
+            raw = f.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise DataError(f"{path}:{lineno}: line is longer than {max_line_bytes:,} bytes; expected one "
+                                "JSON object per line (is this a JSON array or a single-line file?)")
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # UTF-8 byte-order mark written by some editors
+            raw = raw.rstrip(b"\r\n")
+            if raw.strip():
+                yield lineno, raw
+
+
+def parse_line(raw: bytes, kind: str) -> dict[str, Any]:
+    """Decode and validate one line as a record of `kind` ("text" or "conversations"); raise ValueError."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"invalid UTF-8 at byte {e.start}") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if kind == "text":
+        validate_text(record)
+    elif kind == "conversations":
+        validate_conversations(record)
+    elif kind == "any":
+        if "text" in record:
+            validate_text(record)
+        elif "conversations" in record:
+            validate_conversations(record)
+        else:
+            raise ValueError('expected a "text" or "conversations" field')
+    else:
+        raise AssertionError(kind)
+    return record
+
+
+def validate_text(record: dict[str, Any]) -> None:
+    if "text" not in record:
+        raise ValueError(f'missing "text" field (keys: {sorted(record)[:5]})')
+    if not isinstance(record["text"], str):
+        raise ValueError(f'"text" must be a string, got {type(record["text"]).__name__}')
+    if not record["text"].strip():
+        raise ValueError('empty "text"')
+
+
+def validate_conversations(record: dict[str, Any]) -> None:
+    conv = record.get("conversations")
+    if conv is None:
+        raise ValueError(f'missing "conversations" field (keys: {sorted(record)[:5]})')
+    if not isinstance(conv, list):
+        raise ValueError(f'"conversations" must be a list, got {type(conv).__name__}')
+    if not conv:
+        raise ValueError('empty "conversations"')
+    for i, turn in enumerate(conv):
+        if not isinstance(turn, dict):
+            raise ValueError(f"turn {i} must be an object, got {type(turn).__name__}")
+        if turn.get("role") not in ROLES:
+            raise ValueError(f"turn {i} has unknown role {turn.get('role')!r}; expected one of {ROLES}")
+        if not isinstance(turn.get("content"), str):
+            raise ValueError(f'turn {i} "content" must be a string, got {type(turn.get("content")).__name__}')
+    if not any(t["role"] == "assistant" for t in conv):
+        raise ValueError("conversation has no assistant turn (nothing to learn from)")
+
+
+def read_records(path: str | Path, kind: str, skip_bad_lines: bool = False,
+                 report: SkipReport | None = None,
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, validated record). Bad lines raise DataError, or are counted into `report`."""
+    path = check_path(path)
+    seen_any = False
+    for lineno, raw in iter_raw_lines(path, max_line_bytes):
+        try:
+            record = parse_line(raw, kind)
+        except ValueError as e:
+            if not skip_bad_lines:
+                raise DataError(f"{path}:{lineno}: {e} (use --skip_bad_lines to skip such lines)") from None
+            if report is not None:
+                report.add(str(e).split(" (")[0], f"{path.name}:{lineno}")
+            continue
+        seen_any = True
+        yield lineno, record
+    if not seen_any:
+        raise DataError(f"{path}: no usable records (empty file, or every line was bad)")

@@ -1,0 +1,162 @@
+"""Byte-level BPE tokenizer: training, loading, and the ChatML chat format with assistant-only labels.
+
+One rule keeps training and inference consistent: special tokens are never produced from text. Every string
+(pretraining documents, user and assistant content) is encoded with special-token matching off, and the
+structural ids (<|im_start|>, <|im_end|>, <|endoftext|>) are inserted by code. So a document containing the
+literal string "<|im_end|>" cannot forge chat structure.
+
+The chat template stored in tokenizer_config.json renders the same text; for ordinary content
+`transformers`' apply_chat_template yields exactly the ids `encode_chat` trains on (tested).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in tokenizers trained here
+DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "model" / "tokenizer"
+IGNORE_INDEX = -100
+
+# ChatML. Content is trimmed so that the "\n" after the role always ends a pre-token: the label boundary
+# between header and content is then also a token boundary, in both this code and transformers.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory that cannot be used; the message names the file."""
+
+
+class Tokenizer:
+    """Thin wrapper over a `tokenizers.Tokenizer` with PocketLM's special-token and chat conventions."""
+
+    def __init__(self, path: str | Path = DEFAULT_TOKENIZER_DIR) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise TokenizerError(f"{file}: no tokenizer.json (train one with train_tokenizer.py)")
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - the Rust error is one line
+            raise TokenizerError(f"{file}: not a tokenizers JSON file ({str(e)[:200]})") from None
+        self._tok.encode_special_tokens = True  # special strings in text stay text (see module doc)
+        self.path = file.parent
+        self.sha256 = hashlib.sha256(file.read_bytes()).hexdigest()
+        self.vocab_size = self._tok.get_vocab_size()
+        ids = {t: self._tok.token_to_id(t) for t in SPECIAL_TOKENS}
+        missing = [t for t, i in ids.items() if i is None]
+        if missing:
+            raise TokenizerError(f"{file}: special tokens {missing} are missing; expected {list(SPECIAL_TOKENS)}")
+        self.eot_id, self.im_start_id, self.im_end_id = ids[ENDOFTEXT], ids[IM_START], ids[IM_END]
+        self.pad_id = self.eot_id
+
+    # ------------------------------------------------------------------ plain text
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def check_fits(self, vocab_size: int, where: str = "model") -> None:
+        """Refuse a model whose embedding table is smaller than this tokenizer's id range."""
+        if self.vocab_size > vocab_size:
+            raise TokenizerError(f"{self.path}/tokenizer.json has {self.vocab_size} tokens but the {where} has "
+                                 f"vocab_size {vocab_size}; use a matching tokenizer or --vocab_size")
+
+    # ------------------------------------------------------------------------ chat
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The text CHAT_TEMPLATE produces (for display and for comparison with transformers)."""
+        text = "".join(f"{IM_START}{m['role']}\n{m['content'].strip()}{IM_END}\n" for m in messages)
+        return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+    def encode_chat(self, messages: Sequence[dict[str, str]],
+                    add_generation_prompt: bool = False) -> tuple[list[int], list[bool], list[int]]:
+        """(ids, labelled, turn_ends): labelled marks assistant content tokens and their <|im_end|>.
+
+        turn_ends[i] is the length of ids after turn i, so callers can truncate at turn boundaries.
+        """
+        ids: list[int] = []
+        labelled: list[bool] = []
+        turn_ends: list[int] = []
+        # Header and content are encoded as one piece (as transformers does between special tokens), with
+        # offsets to tell which tokens belong to the content.
+        pieces = [f"{m['role']}\n{m['content'].strip()}" for m in messages]
+        encodings = self._tok.encode_batch(pieces, add_special_tokens=False)
+        for m, piece, enc in zip(messages, pieces, encodings):
+            content_start = len(piece) - len(m["content"].strip())
+            is_assistant = m["role"] == "assistant"
+            ids.append(self.im_start_id)
+            labelled.append(False)
+            ids.extend(enc.ids)
+            labelled.extend(is_assistant and start >= content_start for start, _ in enc.offsets)
+            ids.extend((self.im_end_id, self._newline_id))
+            labelled.extend((is_assistant, False))
+            turn_ends.append(len(ids))
+        if add_generation_prompt:
+            ids.extend([self.im_start_id] + self.encode("assistant\n"))
+            labelled.extend([False] * (len(ids) - len(labelled)))
+        return ids, labelled, turn_ends
+
+    @property
+    def _newline_id(self) -> int:
+        nl = self.encode("\n")
+        assert len(nl) == 1, "byte-level BPE always has a single-byte token for a newline"
+        return nl[0]
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Ids of a conversation followed by the assistant header, ready for generation."""
+        return self.encode_chat(messages, add_generation_prompt=True)[0]
+
+
+def tokenizer_config(model_max_length: int = 32768) -> dict[str, Any]:
+    """tokenizer_config.json for `transformers.AutoTokenizer` (fast tokenizer, ChatML template)."""
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
+            "bos_token": IM_START, "eos_token": IM_END, "pad_token": ENDOFTEXT, "unk_token": ENDOFTEXT,
+            "additional_special_tokens": list(SPECIAL_TOKENS), "clean_up_tokenization_spaces": False,
+            "model_max_length": model_max_length, "add_bos_token": False, "add_eos_token": False,
+            "chat_template": CHAT_TEMPLATE}
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 6400, min_frequency: int = 2,
+              special_tokens: Sequence[str] = SPECIAL_TOKENS, length: int | None = None):
+    """Train a byte-level BPE `tokenizers.Tokenizer` on an iterator of strings."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if list(special_tokens[:3]) != list(SPECIAL_TOKENS):
+        raise TokenizerError(f"special tokens must start with {list(SPECIAL_TOKENS)} (ids 0-2)")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=list(special_tokens), show_progress=True,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    return tok
+
+
+def save_tokenizer(tok, out_dir: str | Path, model_max_length: int = 32768) -> Path:
+    """Write tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(model_max_length), indent=2, ensure_ascii=False) + "\n")
+    special_map = {"bos_token": IM_START, "eos_token": IM_END, "pad_token": ENDOFTEXT, "unk_token": ENDOFTEXT,
+                   "additional_special_tokens": list(SPECIAL_TOKENS)}
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    return out
