@@ -30,3 +30,18 @@ def _seed() -> None:
 @pytest.fixture
 def tiny_model() -> PocketLM:
     return PocketLM(tiny_config()).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from dataset.tokenizer import Tokenizer
+    return Tokenizer()  # the shipped default in model/tokenizer/
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    """Write records (dicts, or raw strings written verbatim) one per line."""
+    import json
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
+    return path
