@@ -365,3 +365,36 @@ def _build(source: Path, tokenizer: Tokenizer, kind: str, settings: dict[str, An
         f"({mb / max(meta['build_seconds'], 1e-9):.1f} MB/s)" + (f"; {report.summary()}" if report.total else "")
         + (f"; {stats}" if any(stats.values()) else ""))
     return TokenCache(final, meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dataset.cache`: prepare a cache ahead of training (e.g. on a login node before a cluster job)."""
+    import argparse
+
+    from .tokenizer import DEFAULT_TOKENIZER_DIR, TokenizerError
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--data_path", required=True)
+    p.add_argument("--kind", choices=sorted(ENCODERS), default="pretrain")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER_DIR))
+    p.add_argument("--val_fraction", type=float, default=0.005, help="share of documents held out (by line)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation split")
+    p.add_argument("--max_seq_len", type=int, default=512, help="SFT only: longer conversations are cut or dropped")
+    p.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="SFT only")
+    p.add_argument("--num_workers", type=int, default=None, help="tokenizer processes (default: CPU count, max 8)")
+    p.add_argument("--cache_dir", default=None, help="default: <data_path>.pocketlm-cache beside the data")
+    p.add_argument("--skip_bad_lines", action="store_true", help="skip and count malformed lines")
+    args = p.parse_args(argv)
+    extra = {"max_seq_len": args.max_seq_len, "overlong": args.overlong} if args.kind == "sft" else {}
+    try:
+        cache = prepare(args.data_path, Tokenizer(args.tokenizer), args.kind, args.val_fraction, args.seed,
+                        args.num_workers, args.skip_bad_lines, args.cache_dir, **extra)
+    except (DataError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"cache: {cache.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

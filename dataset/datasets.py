@@ -2,6 +2,7 @@
 
 Both expose the same small interface the training loop needs:
     len(ds)                 samples per epoch
+    ds.num_examples         distinct examples (evaluation walks indices 0 .. num_examples-1 in order)
     ds.global_indices(g, n) the samples at global positions g .. g+n-1 of the seeded, epoch-by-epoch order
     ds.batch(indices)       (inputs, targets) LongTensors; targets are -100 where there is nothing to learn
 A position g in the global order is world-size independent, so a resume (on any number of ranks) jumps
@@ -63,6 +64,10 @@ class PretrainDataset(GlobalOrder):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def num_examples(self) -> int:
+        return self.num_samples
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
@@ -92,6 +97,10 @@ class SFTDataset(GlobalOrder):
         if len(self.lengths) == 0:
             raise DataError(f"{cache.meta['source']['path']}: the {split} split has no conversations")
         self.batch_size, self.pad_id, self.group_size = batch_size, pad_id, group_size
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.lengths)
 
     def __len__(self) -> int:
         # Whole batches only, so batch k of the global order always starts at a multiple of batch_size

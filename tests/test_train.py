@@ -1,0 +1,215 @@
+"""The training loop: overfitting, exact resume, accumulation, masking, schedule, atomic checkpoints, signals."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, write_jsonl
+
+import train_full_sft
+import train_pretrain
+from model import load_model
+from trainer_utils import checkpoint as ckpt_mod
+from trainer_utils import loop as loop_mod
+from trainer_utils.optim import WarmupCosine
+
+TEXTS = [json.loads(line)["text"] for line in open(ROOT / "dataset/demo/pretrain_demo.jsonl", encoding="utf-8")][:40]
+CONVS = [json.loads(line) for line in open(ROOT / "dataset/demo/sft_demo.jsonl", encoding="utf-8")][:60]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("corpus")
+    return {"pretrain": write_jsonl(d / "pretrain.jsonl", [{"text": t} for t in TEXTS]),
+            "sft": write_jsonl(d / "sft.jsonl", CONVS), "cache": d / "cache"}
+
+
+def flags(corpus, tmp_path, run="run", **over) -> list[str]:
+    base = {"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": tmp_path, "run_name": run,
+            "preset": "tiny", "batch_size": 4, "max_steps": 8, "dtype": "float32", "log_interval": 2,
+            "eval_interval": 4, "save_interval": 4, "num_workers": 0, "learning_rate": 1e-3, "warmup_steps": 2}
+    base.update(over)
+    out = []
+    for k, v in base.items():
+        if v is True:
+            out.append(f"--{k}")
+        elif v is not None and v is not False:
+            out += [f"--{k}", str(v)]
+    return out
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    model, _ = load_model(run_dir)
+    return model.state_dict()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def stop_at(monkeypatch, step: int) -> None:
+    """Deliver SIGTERM to this process right after optimizer step `step` is logged."""
+    real = loop_mod.Trainer._log
+
+    def log_then_signal(self, *a, **k):
+        real(self, *a, **k)
+        if self.step == step:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(loop_mod.Trainer, "_log", log_then_signal)
+
+
+def test_overfits_a_few_samples(corpus, tmp_path):
+    data = write_jsonl(tmp_path / "few.jsonl", [{"text": TEXTS[0][:300]}])
+    rc = train_pretrain.main(flags(corpus, tmp_path, data_path=data, batch_size=2, max_steps=150,
+                                   learning_rate=1e-2, warmup_steps=5, log_interval=10, eval_interval=1000,
+                                   save_interval=1000, val_fraction=0))
+    assert rc == 0
+    losses = [m["loss"] for m in metrics(tmp_path / "run") if "loss" in m]
+    assert losses[0] > 3 and losses[-1] < 0.05, losses  # from ~ln(6400) = 8.8 to memorised
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(corpus, tmp_path, monkeypatch):
+    assert train_pretrain.main(flags(corpus, tmp_path, "straight")) == 0
+    stop_at(monkeypatch, 4)
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed")) == 0
+    assert (tmp_path / "resumed" / "latest").read_text().strip().endswith("step_00000004")
+    monkeypatch.undo()
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", resume=True)) == 0
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    steps = [m["step"] for m in metrics(tmp_path / "resumed") if "loss" in m]
+    assert steps == [2, 4, 6, 8]  # no step repeated or skipped
+
+
+def test_fp16_grad_scaler_state_survives_resume(corpus, tmp_path, monkeypatch):
+    assert train_pretrain.main(flags(corpus, tmp_path, "straight", dtype="float16")) == 0
+    stop_at(monkeypatch, 4)
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", dtype="float16")) == 0
+    state = torch.load(tmp_path / "resumed/checkpoints/step_00000004/training_state.pt", weights_only=True)
+    assert state["backend"]["scaler"]["scale"] > 0
+    monkeypatch.undo()
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", dtype="float16", resume=True)) == 0
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_accumulation_matches_a_bigger_batch(corpus, tmp_path):
+    common = dict(max_steps=2, log_interval=1, eval_interval=100, save_interval=100)
+    assert train_pretrain.main(flags(corpus, tmp_path, "big", batch_size=8, **common)) == 0
+    assert train_pretrain.main(flags(corpus, tmp_path, "acc", batch_size=4, accumulation_steps=2, **common)) == 0
+    a, b = weights(tmp_path / "big"), weights(tmp_path / "acc")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
+    la = [m["loss"] for m in metrics(tmp_path / "big") if "loss" in m]
+    lb = [m["loss"] for m in metrics(tmp_path / "acc") if "loss" in m]
+    assert la == pytest.approx(lb, abs=1e-5)
+
+
+def test_fully_masked_micro_batch_contributes_zero(corpus, tmp_path):
+    args = train_full_sft.build_parser("sft", "").parse_args(
+        flags(corpus, tmp_path, data_path=corpus["sft"], max_seq_len=64))
+    trainer = loop_mod.Trainer(loop_mod.Session(args, "sft"))
+    x, y = trainer.s.train_data.batch(trainer.s.train_data.global_indices(0, 4))
+    masked = torch.full_like(y, -100)
+    n_valid = torch.tensor(float((y != -100).sum()))
+    params = [p for p in trainer.model.parameters()]
+
+    def grads(micro):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss = trainer.train_step(micro, n_valid)
+        return loss, [p.grad.clone() for p in params]
+
+    loss_a, ga = grads([(x, y)])
+    loss_b, gb = grads([(x, masked), (x, y)])  # an extra micro-batch with no targets at all
+    assert torch.isfinite(loss_b) and loss_a == loss_b
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_warmup_cosine_schedule_values():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    s = WarmupCosine(opt, max_lr=1.0, min_lr=0.1, warmup=10, total=110)
+    assert s.lr_at(0) == pytest.approx(0.1) and s.lr_at(4) == pytest.approx(0.5)
+    assert s.lr_at(9) == pytest.approx(1.0)  # peak at the end of warmup
+    assert s.lr_at(60) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert s.lr_at(110) == pytest.approx(0.1) and s.lr_at(500) == pytest.approx(0.1)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # applied to the optimizer at once
+    for _ in range(9):
+        s.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0)
+
+
+def test_crash_while_checkpointing_keeps_the_previous_checkpoint(corpus, tmp_path, monkeypatch):
+    real_save = torch.save
+    calls = []
+
+    def crash_on_second(obj, f, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            Path(f).write_bytes(b"partial")  # half-written file, then the machine "dies"
+            raise OSError("disk full")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", crash_on_second)
+    with pytest.raises(OSError, match="disk full"):
+        train_pretrain.main(flags(corpus, tmp_path))
+    run = tmp_path / "run"
+    assert (run / "latest").read_text().strip() == "checkpoints/step_00000004"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]  # no temp debris
+    model, _ = load_model(run)  # still loadable for inference...
+    monkeypatch.undo()
+    assert train_pretrain.main(flags(corpus, tmp_path, resume=True)) == 0  # ...and for resuming
+    assert (run / "latest").read_text().strip() == "checkpoints/step_00000008"
+
+
+def test_sigterm_to_a_training_process_checkpoints_and_resumes(corpus, tmp_path):
+    cmd = [sys.executable, "train_pretrain.py", *flags(corpus, tmp_path, max_steps=100000, log_interval=1,
+                                                       save_interval=100000, eval_interval=100000)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics_file = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "SIGTERM received: checkpointed step" in err
+    state = torch.load(next((tmp_path / "run/checkpoints").iterdir()) / "training_state.pt", weights_only=True)
+    stopped = state["step"]
+    assert 3 <= stopped < 100000
+    rc = train_pretrain.main(flags(corpus, tmp_path, max_steps=stopped + 2, resume=True, log_interval=1))
+    assert rc == 0
+    assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m][-2:] == [stopped + 1, stopped + 2]
+
+
+def test_sft_from_pretrain_checkpoint(corpus, tmp_path):
+    assert train_pretrain.main(flags(corpus, tmp_path, "pre", max_steps=4)) == 0
+    rc = train_full_sft.main(flags(corpus, tmp_path, "sft", data_path=corpus["sft"], init_from=tmp_path / "pre",
+                                   max_steps=4, max_seq_len=64, preset=None))
+    assert rc == 0
+    info = json.loads((tmp_path / "sft/checkpoints/step_00000004/train_info.json").read_text())
+    assert info["stage"] == "sft" and info["step"] == 4
+    pre, sft = weights(tmp_path / "pre"), weights(tmp_path / "sft")
+    assert not torch.equal(pre["embed_tokens.weight"], sft["embed_tokens.weight"])
+
+
+def test_existing_run_is_not_clobbered(corpus, tmp_path, capsys):
+    assert train_pretrain.main(flags(corpus, tmp_path, max_steps=2)) == 0
+    with pytest.raises(SystemExit, match="already holds a run"):
+        train_pretrain.main(flags(corpus, tmp_path, max_steps=2))
+    assert train_pretrain.main(flags(corpus, tmp_path, max_steps=2, overwrite=True)) == 0
+
+
+def test_bad_data_is_a_one_line_error(corpus, tmp_path, capsys):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, "{nope"])
+    assert train_pretrain.main(flags(corpus, tmp_path, data_path=bad)) == 2
+    assert "bad.jsonl:2: invalid JSON" in capsys.readouterr().err

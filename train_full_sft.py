@@ -1,0 +1,26 @@
+"""Supervised fine-tuning: teach a pretrained PocketLM model to chat (loss on assistant answers only).
+
+    python train_full_sft.py --init_from out/pretrain-minimind-26m          # bundled demo conversations
+    python train_full_sft.py --init_from out/pretrain-minimind-26m --data_path sft_mini_512.jsonl
+
+Conversations ({"conversations": [{"role", "content"}, ...]}) are rendered with the tokenizer's ChatML
+template; system, user and template tokens are context, never targets. Flags: --help.
+"""
+from __future__ import annotations
+
+import sys
+
+from trainer_utils.args import build_parser, check_args
+from trainer_utils.loop import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser("sft", __doc__)
+    args = check_args(parser, parser.parse_args(argv))
+    if args.init_from is None and not args.resume:
+        print("note: no --init_from; fine-tuning a randomly initialised model", file=sys.stderr)
+    return run(args, "sft")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

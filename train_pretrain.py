@@ -1,0 +1,24 @@
+"""Pretrain a PocketLM model on raw text: next-token prediction over packed windows of a JSONL corpus.
+
+    python train_pretrain.py --batch_size 8                       # 26M model on the bundled demo corpus
+    python train_pretrain.py --data_path pretrain_hq.jsonl --preset minimind-104m --accumulation_steps 4
+    torchrun --nproc_per_node 2 train_pretrain.py ...             # same script, several GPUs
+
+Every flag is listed by --help; the loop, checkpoints and logging live in trainer_utils/.
+"""
+from __future__ import annotations
+
+import sys
+
+from trainer_utils.args import build_parser, check_args
+from trainer_utils.loop import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser("pretrain", __doc__)
+    args = check_args(parser, parser.parse_args(argv))
+    return run(args, "pretrain")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

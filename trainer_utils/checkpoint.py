@@ -1,0 +1,108 @@
+"""Atomic, resumable checkpoints of a run directory.
+
+    out/<run>/latest                          "checkpoints/step_00000200" (updated last)
+    out/<run>/checkpoints/step_00000200/      model.safetensors, config.json, tokenizer files  (inference)
+                                              train_info.json                                  (stage, step)
+                                              training_state.pt                                (resume)
+
+A checkpoint is written into a temporary directory, fsynced, renamed into place, and only then does `latest`
+move to it (itself via a temp file + rename). A crash at any point leaves the previous checkpoint and pointer
+intact. The last `keep_last` checkpoints are kept. Weights for inference are loaded by model.loading; this
+module owns the training state only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.loading import LATEST_NAME, save_model
+
+STATE_NAME = "training_state.pt"
+INFO_NAME = "train_info.json"
+CHECKPOINTS = "checkpoints"
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_state: dict[str, Any] | None,
+                    info: dict[str, Any], tokenizer_dir: Path | None, keep_last: int = 3,
+                    extra_writer: Any = None) -> Path:
+    """Write checkpoint `step` atomically and point `latest` at it; return its directory.
+
+    extra_writer(tmp_dir) may add files (e.g. DeepSpeed's sharded optimizer state) before the rename.
+    """
+    root = run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:08d}"
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_model(model, tmp, tokenizer_dir=tokenizer_dir)
+        (tmp / INFO_NAME).write_text(json.dumps({**info, "step": step}, indent=2) + "\n")
+        if training_state is not None:
+            torch.save(training_state, tmp / STATE_NAME)
+        if extra_writer is not None:
+            extra_writer(tmp)
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. final save right after an interval save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    write_atomic(run_dir / LATEST_NAME, f"{CHECKPOINTS}/{name}\n")
+    _prune(root, keep_last, keep=final)
+    return final
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[: max(0, len(steps) - keep_last)]:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):  # from a crashed writer of this or an earlier process
+        if not stale.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / LATEST_NAME
+    if not pointer.is_file():
+        return None
+    target = run_dir / pointer.read_text().strip()
+    if not (target / STATE_NAME).is_file() and not target.is_dir():
+        raise SystemExit(f"error: {pointer} points at {target}, which does not exist")
+    return target
+
+
+def load_training_state(checkpoint_dir: Path) -> dict[str, Any]:
+    path = checkpoint_dir / STATE_NAME
+    if not path.is_file():
+        raise SystemExit(f"error: {checkpoint_dir} has no {STATE_NAME}; it can be used with --init_from, not "
+                         "--resume")
+    return torch.load(path, map_location="cpu", weights_only=True)

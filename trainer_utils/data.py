@@ -1,0 +1,77 @@
+"""Step-wise batch feeding from a global sample cursor, prefetched on a background thread.
+
+Optimizer step s consumes global positions [c, c + accum * world * B) of the dataset's order, where c is the
+cursor; rank r's micro-batch m takes positions c + (m * world + r) * B ... + B. The cursor (a sample count) is
+what checkpoints store, so a resume with any world size continues from the same sample.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+import torch
+
+from dataset.tokenizer import IGNORE_INDEX
+
+
+class StepFeeder:
+    """Yields, for each optimizer step, this rank's list of (inputs, targets) micro-batches on the device."""
+
+    def __init__(self, dataset, batch_size: int, accumulation_steps: int, rank: int, world_size: int,
+                 cursor: int, device: torch.device, prefetch: int = 2) -> None:
+        self.dataset, self.batch_size, self.accum = dataset, batch_size, accumulation_steps
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.samples_per_step = batch_size * accumulation_steps * world_size
+        self.cursor = cursor  # global position of the next step's first sample
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(cursor,), daemon=True)
+        self._thread.start()
+
+    def _read(self, start: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        out, n_valid = [], 0
+        for m in range(self.accum):
+            first = start + (m * self.world_size + self.rank) * self.batch_size
+            x, y = self.dataset.batch(self.dataset.global_indices(first, self.batch_size))
+            n_valid += int((y != IGNORE_INDEX).sum())  # counted here, on the host: no device sync later
+            if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
+                x, y = x.pin_memory(), y.pin_memory()
+            out.append((x, y))
+        return out, n_valid
+
+    def _produce(self, start: int) -> None:
+        try:
+            while not self._stop.is_set():
+                item = self._read(start)
+                start += self.samples_per_step
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # surface data errors in the training thread
+            self._queue.put(e)
+
+    def next_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """This rank's micro-batches for the next step, and how many valid targets they hold."""
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        micro, n_valid = item
+        self.cursor += self.samples_per_step
+        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in micro], n_valid
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def eval_batches(dataset, batch_size: int, max_batches: int, rank: int,
+                 world_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed, unshuffled slice of the validation set, split across ranks, identical at every evaluation."""
+    total = min(dataset.num_examples, max_batches * batch_size * world_size)
+    for start in range(rank * batch_size, total, batch_size * world_size):
+        indices = list(range(start, min(start + batch_size, total)))
+        yield dataset.batch(indices)

@@ -1,0 +1,105 @@
+"""Observability: metrics.jsonl, a progress bar, optional wandb / tensorboard, and MFU from a peak-FLOPs table."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16/fp16 tensor-core peak (FLOP/s, no sparsity) by substring of torch.cuda.get_device_name().
+# Consumer cards list the fp32-accumulate rate, which is what PyTorch's bf16 matmuls use. Order matters:
+# the first matching key wins, so more specific names come first.
+PEAK_FLOPS: dict[str, float] = {
+    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
+    "B200": 2250e12, "A100": 312e12, "A800": 312e12, "A6000": 155e12, "A40": 150e12, "A30": 165e12,
+    "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "V100": 125e12, "T4": 65e12,
+    "RTX 5090": 209e12, "RTX 5080": 113e12, "RTX 4090": 165e12, "RTX 4080": 97.5e12, "RTX 4070 Ti": 80e12,
+    "RTX 4070": 58e12, "RTX 4060": 30e12, "RTX 3090 Ti": 80e12, "RTX 3090": 71e12, "RTX 3080": 59.5e12,
+    "RTX 3070": 40.6e12, "RTX 3060": 25.6e12, "RTX 2080 Ti": 53.8e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak FLOP/s of the device, or None when unknown (CPU, unlisted GPU): MFU is then omitted, not 0."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12·L·d·T for attention scores (PaLM appendix B)."""
+    return 6 * n_params_non_embedding + 12 * n_layers * hidden * seq_len
+
+
+class MetricsLogger:
+    """Writes every record to metrics.jsonl and mirrors it to the progress bar, wandb and tensorboard (rank 0)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int, config: dict[str, Any],
+                 use_wandb: bool = False, wandb_project: str = "pocketlm", use_tensorboard: bool = False) -> None:
+        self.enabled = enabled
+        self.file = self.bar = self.wandb = self.tb = None
+        if not enabled:
+            return
+        from tqdm import tqdm
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=run_dir.name, dynamic_ncols=True,
+                        file=sys.stderr, disable=None)
+        if use_wandb:
+            import wandb
+            # Offline unless the user configured an API key: nothing leaves the machine by surprise.
+            mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self.wandb = wandb.init(project=wandb_project, name=run_dir.name, dir=str(run_dir), config=config,
+                                    mode=mode, resume="allow", id=run_dir.name.replace("/", "-"))
+        if use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, record: dict[str, Any], bar_fields: tuple[str, ...] = ()) -> None:
+        if not self.enabled:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        self.file.write(json.dumps(record) + "\n")
+        step = record.get("step", 0)
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=step)
+        if self.tb is not None:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, step)
+        if self.bar is not None and bar_fields:
+            self.bar.set_postfix({k: _fmt(record[k]) for k in bar_fields if k in record}, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None and not self.bar.disable:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.4f}"[:7]
+    return str(v)
