@@ -3,6 +3,8 @@ PYTHON ?= python3
 # The CPU build of torch is pinned when no torch is installed: an unpinned `pip install torch` pulls a
 # multi-GB CUDA build. Install a CUDA build yourself first on a GPU machine; it is left alone.
 TORCH_VERSION ?= 2.13.0
+DEMO_PRETRAIN_STEPS ?= 300
+DEMO_SFT_STEPS ?= 120
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
 .PHONY: install install-dev test demo
@@ -20,6 +22,22 @@ test: install-dev
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: no tests were collected or run" >&2; fi; \
 	exit $$rc
 
-# The end-to-end pipeline on the bundled corpus; each stage is added as it lands.
+# The end-to-end pipeline on the bundled corpus, sized for a 2-core CPU in under 10 minutes:
+# tokenizer check -> short pretrain -> short SFT -> samples, perplexity, a chat answer, loss plots.
+DEMO_OUT ?= out
+DEMO_MODEL := --preset mini-30m --hidden_size 256 --num_hidden_layers 4 --max_seq_len 256
+DEMO_RUN := --out_dir $(DEMO_OUT) --overwrite --log_interval 10 --eval_interval 100 --save_interval 100
 demo: install
-	$(PYTHON) -m model
+	$(PYTHON) train_tokenizer.py --data_path dataset/demo/pretrain_demo.jsonl dataset/demo/sft_demo.jsonl \
+		--out_dir $(DEMO_OUT)/demo-tokenizer
+	$(PYTHON) train_pretrain.py $(DEMO_MODEL) $(DEMO_RUN) --run_name demo-pretrain \
+		--batch_size 16 --max_steps $(DEMO_PRETRAIN_STEPS) --learning_rate 2e-3 --warmup_steps 20
+	$(PYTHON) train_full_sft.py --init_from $(DEMO_OUT)/demo-pretrain $(DEMO_RUN) --run_name demo-sft \
+		--max_seq_len 256 --batch_size 16 --max_steps $(DEMO_SFT_STEPS) --learning_rate 5e-4 --warmup_steps 10
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --temperature 0 --max_new_tokens 40 \
+		--prompt "It is a truth universally acknowledged" --prompt "床前明月光，"
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-sft --temperature 0 --max_new_tokens 60 \
+		--prompt "How do I get documentation on Python?"
+	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-pretrain
+	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-sft

@@ -1,0 +1,200 @@
+"""Evaluate a PocketLM checkpoint: generate, chat, perplexity / bits per byte, probe prompts.
+
+    python eval_model.py --checkpoint out/<run> --prompt "Once upon a time"
+    python eval_model.py --checkpoint out/<run> --chat --system "You are a helpful assistant."
+    python eval_model.py --checkpoint out/<run> --ppl dataset/demo/pretrain_demo.jsonl
+    python eval_model.py --checkpoint out/<run> --probes probes.txt --temperature 0
+
+The stage in the checkpoint's train_info.json decides the prompt format: pretrain checkpoints continue raw
+text and stop at <|endoftext|>; SFT checkpoints are prompted through the chat template and stop at <|im_end|>.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from dataset.jsonl import DataError, SkipReport, check_path, read_records
+from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer, TokenizerError
+from model import CheckpointError, ConfigError, load_model
+from model.inference import (fit_chat, keep_recent, pack_documents, read_train_info, resolve_device, resolve_dtype,
+                             score_windows, split_windows, stream_generate, token_byte_lengths)
+
+
+def note(message: str) -> None:
+    """A remark for the user on stderr, kept out of the generated text on stdout."""
+    print(f"note: {message}", file=sys.stderr)
+
+
+def prompt_ids(tok: Tokenizer, stage: str, text: str, system: str | None = None) -> list[int]:
+    """Ids for one prompt: raw text for pretrain checkpoints, a one-turn chat for SFT ones."""
+    if stage == "sft":
+        return tok.chat_prompt(([{"role": "system", "content": system}] if system else [])
+                               + [{"role": "user", "content": text}])
+    return tok.encode(text) or [tok.eot_id]  # an empty prompt starts a new document
+
+
+def read_probes(path: str) -> list[str]:
+    """Prompts of a probe file: one per line; blank lines and lines starting with '#' are skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read probe file ({getattr(e, 'strerror', None) or e})") from None
+    texts = [t.strip() for t in lines if t.strip() and not t.strip().startswith("#")]
+    if not texts:
+        raise DataError(f"{path}: no prompts (one per line; lines starting with # are comments)")
+    return texts
+
+
+class Evaluator:
+    """A loaded checkpoint, its tokenizer and the generation settings from the command line."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        self.model, model_dir = load_model(args.checkpoint, device=device, dtype=dtype)
+        self.stage = args.stage or read_train_info(model_dir)["stage"]
+        if args.system and self.stage != "sft":
+            note("--system is ignored: a pretrain checkpoint is prompted with raw text")
+        if not (model_dir / "tokenizer.json").is_file():
+            note(f"{model_dir} has no tokenizer.json; using the default tokenizer")
+        self.tok = Tokenizer(model_dir if (model_dir / "tokenizer.json").is_file() else DEFAULT_TOKENIZER_DIR)
+        self.tok.check_fits(self.model.config.vocab_size)
+        self.args = args
+        self.eos = [self.tok.im_end_id, self.tok.eot_id] if self.stage == "sft" else [self.tok.eot_id]
+        self.budget = self.model.config.max_position_embeddings - args.max_new_tokens  # prompt tokens allowed
+        self.generator = torch.Generator(device).manual_seed(args.seed) if args.seed is not None else None
+        print(f"loaded {model_dir} (stage {self.stage}, {self.model.num_parameters() / 1e6:.2f}M params, "
+              f"{device}, {str(dtype).removeprefix('torch.')})", file=sys.stderr)
+
+    def complete(self, prompts: list[list[int]], stream: bool = False) -> list[str]:
+        """Generate a completion per prompt; with stream=True (one prompt) print it as it is produced."""
+        fitted = [keep_recent(ids, self.budget) for ids in prompts]
+        for ids, dropped in fitted:
+            if dropped:
+                note(f"prompt too long; dropped its first {dropped} tokens (kept the last {len(ids)})")
+        a = self.args
+        new = stream_generate(self.model, [ids for ids, _ in fitted], self.tok.decode,
+                              on_text=(lambda text: print(text, end="", flush=True)) if stream else None,
+                              max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                              top_p=a.top_p, repetition_penalty=a.repetition_penalty, eos_token_ids=self.eos,
+                              pad_token_id=self.tok.pad_id, generator=self.generator)
+        if stream:
+            print(flush=True)
+        return [self.tok.decode(ids) for ids in new]
+
+    def chat(self) -> None:
+        """REPL: lines from stdin, streamed replies; /reset clears the history, /exit or EOF quits."""
+        base = [{"role": "system", "content": self.args.system}] if self.args.system else []
+        if self.stage != "sft":
+            note("pretrain checkpoint: each line is continued as raw text, without history or template")
+        history, interactive = list(base), sys.stdin.isatty()
+        while True:
+            try:
+                line = input(">>> " if interactive else "").strip()
+            except (EOFError, KeyboardInterrupt):
+                break
+            if line == "/exit":
+                break
+            if line == "/reset":
+                history = list(base)
+                note("history cleared")
+                continue
+            if not line:
+                continue
+            try:
+                if self.stage != "sft":
+                    self.complete([prompt_ids(self.tok, self.stage, line)], stream=True)
+                    continue
+                messages, ids, dropped = fit_chat(history + [{"role": "user", "content": line}],
+                                                  self.tok.chat_prompt, self.budget)
+                if dropped:
+                    note(f"conversation too long; dropped the {dropped} oldest messages")
+                reply = self.complete([ids], stream=True)[0]
+                history = messages + [{"role": "assistant", "content": reply}]
+            except KeyboardInterrupt:  # Ctrl-C stops this reply (left out of the history), not the session
+                print("\n(interrupted)", flush=True)
+
+    def probes(self, texts: list[str]) -> None:
+        """Print each probe prompt with its completion."""
+        for start in range(0, len(texts), 8):  # batched: a left-padded batch decodes as each prompt alone
+            chunk = texts[start:start + 8]
+            outs = self.complete([prompt_ids(self.tok, self.stage, t, self.args.system) for t in chunk])
+            for text, out in zip(chunk, outs):
+                print(f">>> {text}\n{out}\n", flush=True)
+
+    def perplexity(self, path: str) -> None:
+        """Token-weighted perplexity and bits per byte of a {"text"} or {"conversations"} JSONL file."""
+        first = next(read_records(path, "any", self.args.skip_bad_lines))[1]
+        kind = "text" if "text" in first else "conversations"  # the first record decides; others must match
+        report, length = SkipReport(), self.model.config.max_seq_len
+        records = [r[kind] for _, r in read_records(path, kind, self.args.skip_bad_lines, report)]
+        if kind == "text":  # documents joined by <|endoftext|>, cut into training-style windows
+            windows = pack_documents((self.tok.encode(t) + [self.tok.eot_id] for t in records), length)
+        else:  # each conversation alone, scoring only assistant tokens (and their <|im_end|>)
+            windows = (w for conv in records for w in split_windows(*self.tok.encode_chat(conv)[:2], length))
+        s = score_windows(self.model, windows, token_byte_lengths(self.tok.path, self.model.config.vocab_size))
+        if report.total:
+            note(report.summary())
+        scope = "assistant tokens" if kind == "conversations" else "tokens"
+        print(f"ppl {s.ppl:.4f} | bits/byte {s.bits_per_byte:.4f} | loss {s.loss:.6f} nats/token | "
+              f"{s.tokens} {scope}, {s.bytes} bytes, {len(records)} records from {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="run dir (out/<run>), checkpoint dir or model dir")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--prompt", action="append", help="generate once from TEXT (repeatable)")
+    mode.add_argument("--chat", action="store_true", help="interactive chat (the default mode)")
+    mode.add_argument("--ppl", metavar="F.jsonl", help="perplexity and bits per byte over a JSONL file")
+    mode.add_argument("--probes", metavar="FILE", help="one prompt per line ('#' comments)")
+    p.add_argument("--system", help="system prompt for SFT checkpoints")
+    p.add_argument("--stage", choices=("pretrain", "sft"), help="override train_info.json's stage")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=0, help="0 = off")
+    p.add_argument("--top_p", type=float, default=0.9)
+    p.add_argument("--repetition_penalty", type=float, default=1.1)
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--skip_bad_lines", action="store_true", help="--ppl: skip and count malformed lines")
+    args = p.parse_args(argv)
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.repetition_penalty <= 0 or args.max_new_tokens < 1:
+        p.error("need --temperature >= 0, 0 < --top_p <= 1, --repetition_penalty > 0, --max_new_tokens >= 1")
+    try:
+        if args.device and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: CUDA is not available")
+    except RuntimeError as e:  # an unknown device string
+        p.error(f"--device {args.device}: {e}")
+    try:
+        # Input files are checked before the (possibly slow) model load.
+        probes = read_probes(args.probes) if args.probes else None
+        if args.ppl:
+            check_path(args.ppl)
+        ev = Evaluator(args)
+        if ev.budget < 1 and not args.ppl:
+            raise ConfigError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt "
+                              f"(max_position_embeddings {ev.model.config.max_position_embeddings})")
+        if args.ppl:
+            ev.perplexity(args.ppl)
+        elif probes:
+            ev.probes(probes)
+        elif args.prompt:
+            for text in args.prompt:
+                ev.complete([prompt_ids(ev.tok, ev.stage, text, args.system)], stream=True)
+        else:
+            ev.chat()
+    except (CheckpointError, ConfigError, DataError, TokenizerError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

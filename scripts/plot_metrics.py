@@ -1,0 +1,120 @@
+"""Plot a run's training curves from out/<run>/metrics.jsonl into a PNG.
+
+    python scripts/plot_metrics.py out/<run> [--out loss.png] [--smooth 0.9]
+
+Top panel: train loss (faint), its smoothed curve and validation loss points; bottom panel: learning rate.
+Lines that are not JSON objects with a numeric "step" are skipped and counted. When a resumed run logs a
+step again, the later line wins, so the curve shows the run as it continued.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+METRICS_NAME = "metrics.jsonl"
+SERIES = ("loss", "val_loss", "lr")
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float (bools and NaN/inf are not plotted)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_metrics(path: Path) -> tuple[dict[str, dict[float, float]], int]:
+    """Per series a {step: value} map (last line per step wins), and the number of malformed lines."""
+    series: dict[str, dict[float, float]] = {name: {} for name in SERIES}
+    bad = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                bad += 1
+                continue
+            if not isinstance(record, dict) or not is_number(record.get("step")):
+                bad += 1
+                continue
+            for name in SERIES:  # unknown keys (grad_norm, event, ...) are ignored
+                if is_number(record.get(name)):
+                    series[name][record["step"]] = float(record[name])
+    return {name: dict(sorted(points.items())) for name, points in series.items()}, bad
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """Debiased exponential moving average (as TensorBoard's smoothing): early points are not pulled to 0."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight ** i))
+    return out
+
+
+def plot(series: dict[str, dict[float, float]], out: Path, title: str, weight: float) -> None:
+    """Write the two-panel figure (loss over step, LR over step) to out."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed (servers, CI)
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(9, 6),
+                                         gridspec_kw={"height_ratios": (3, 1)})
+    train, val, lr = series["loss"], series["val_loss"], series["lr"]
+    if train:
+        steps, values = list(train), list(train.values())
+        ax_loss.plot(steps, values, color="tab:blue", alpha=0.25, linewidth=1, label="train loss")
+        ax_loss.plot(steps, smooth(values, weight), color="tab:blue", linewidth=2, label=f"train (EMA {weight})")
+    if val:
+        ax_loss.plot(list(val), list(val.values()), "o-", color="tab:orange", markersize=4, label="val loss")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.set_title(title)
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+    if lr:
+        ax_lr.plot(list(lr), list(lr.values()), color="tab:green")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help=f"run directory (out/<run>) or its {METRICS_NAME}")
+    p.add_argument("--out", help="PNG to write (default: <run>/loss.png)")
+    p.add_argument("--smooth", type=float, default=0.9, help="EMA weight for the smoothed train loss, in [0, 1)")
+    args = p.parse_args(argv)
+    if not 0 <= args.smooth < 1:
+        p.error("--smooth must be in [0, 1)")
+    run = Path(args.run)
+    path = run if run.is_file() else run / METRICS_NAME
+    run_dir = path.parent
+    try:
+        series, bad = read_metrics(path)
+    except OSError as e:
+        print(f"error: {path}: cannot read ({e.strerror or e})", file=sys.stderr)
+        return 2
+    if bad:
+        print(f"skipped {bad} malformed lines in {path}")
+    if not any(series.values()):
+        print(f"error: {path}: no loss, val_loss or lr values to plot", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else run_dir / "loss.png"
+    try:
+        plot(series, out, run_dir.name, args.smooth)
+    except ImportError:
+        print("error: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(series['loss'])} train, {len(series['val_loss'])} val points)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
