@@ -3,8 +3,8 @@ PYTHON ?= python3
 # The CPU build of torch is pinned when no torch is installed: an unpinned `pip install torch` pulls a
 # multi-GB CUDA build. Install a CUDA build yourself first on a GPU machine; it is left alone.
 TORCH_VERSION ?= 2.13.0
-DEMO_PRETRAIN_STEPS ?= 300
-DEMO_SFT_STEPS ?= 120
+DEMO_PRETRAIN_STEPS ?= 450
+DEMO_SFT_STEPS ?= 150
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
 .PHONY: install install-dev test demo
@@ -26,6 +26,7 @@ test: install-dev
 # tokenizer check -> short pretrain -> short SFT -> samples, perplexity, a chat answer, loss plots.
 DEMO_OUT ?= out
 DEMO_MODEL := --preset mini-30m --hidden_size 256 --num_hidden_layers 4 --max_seq_len 256
+DEMO_SAMPLING := --temperature 0.8 --top_p 0.9 --repetition_penalty 1.2 --seed 0
 DEMO_RUN := --out_dir $(DEMO_OUT) --overwrite --log_interval 10 --eval_interval 100 --save_interval 100
 demo: install
 	$(PYTHON) train_tokenizer.py --data_path dataset/demo/pretrain_demo.jsonl dataset/demo/sft_demo.jsonl \
@@ -35,9 +36,9 @@ demo: install
 	$(PYTHON) train_full_sft.py --init_from $(DEMO_OUT)/demo-pretrain $(DEMO_RUN) --run_name demo-sft \
 		--max_seq_len 256 --batch_size 16 --max_steps $(DEMO_SFT_STEPS) --learning_rate 5e-4 --warmup_steps 10
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl
-	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --temperature 0 --max_new_tokens 40 \
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain $(DEMO_SAMPLING) --max_new_tokens 60 \
 		--prompt "It is a truth universally acknowledged" --prompt "床前明月光，"
-	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-sft --temperature 0 --max_new_tokens 60 \
-		--prompt "How do I get documentation on Python?"
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-sft $(DEMO_SAMPLING) --max_new_tokens 60 \
+		--prompt "How do I get documentation on Python?" --prompt "你好，你是谁？"
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-pretrain
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-sft

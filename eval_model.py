@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             ev.probes(probes)
         elif args.prompt:
             for text in args.prompt:
+                # SFT: the question, then the streamed answer; pretrain: the prompt continued in place
+                print(f">>> {text}" if ev.stage == "sft" else text, end="\n" if ev.stage == "sft" else "", flush=True)
                 ev.complete([prompt_ids(ev.tok, ev.stage, text, args.system)], stream=True)
         else:
             ev.chat()

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, ModelConfig, get_preset
+from .inference import DTYPES
 from .loading import (CONFIG_NAME, WEIGHTS_NAME, CheckpointError, copy_tokenizer_files, load_model,
                       read_state_dict, special_token_ids)
 from .model import PocketLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # PocketLM's GELU is the tanh approximation; these transformers activation names compute exactly that.
 GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 

@@ -42,9 +42,12 @@ def read_train_info(model_dir: str | Path) -> dict:
     return info
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def resolve_device(name: str | None = None) -> torch.device:
-    """The requested device, or CUDA when available, else CPU."""
-    if name:
+    """The requested device, or (None / "auto") CUDA when available, else CPU."""
+    if name and name != "auto":
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -55,7 +58,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
         return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return DTYPES[name]
 
 
 # ---------------------------------------------------------------------- streaming text

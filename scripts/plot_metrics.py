@@ -65,8 +65,13 @@ def plot(series: dict[str, dict[float, float]], out: Path, title: str, weight: f
     train, val, lr = series["loss"], series["val_loss"], series["lr"]
     if train:
         steps, values = list(train), list(train.values())
-        ax_loss.plot(steps, values, color="tab:blue", alpha=0.25, linewidth=1, label="train loss")
-        ax_loss.plot(steps, smooth(values, weight), color="tab:blue", linewidth=2, label=f"train (EMA {weight})")
+        # An EMA lags a falling curve by ~1/(1-w) points: keep that lag under 5% of the run, so a short run
+        # (where each logged point already averages log_interval steps) is shown unsmoothed.
+        weight = min(weight, max(0.0, 1 - 20 / len(values)))
+        ax_loss.plot(steps, values, color="tab:blue", alpha=0.25 if weight else 1.0, linewidth=1, label="train loss")
+        if weight:
+            ax_loss.plot(steps, smooth(values, weight), color="tab:blue", linewidth=2,
+                         label=f"train (EMA {weight:.2f})")
     if val:
         ax_loss.plot(list(val), list(val.values()), "o-", color="tab:orange", markersize=4, label="val loss")
     ax_loss.set_ylabel("loss (nats/token)")

@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from model.inference import DTYPES
+from model.inference import resolve_device as _device
+
 
 
 @lru_cache(maxsize=1)
@@ -25,9 +27,10 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = _device(name)
+    except RuntimeError as e:  # an unknown device string
+        raise SystemExit(f"error: --device {name}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"error: --device {name} requested but CUDA is not available")
     return device
