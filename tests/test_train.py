@@ -213,3 +213,19 @@ def test_bad_data_is_a_one_line_error(corpus, tmp_path, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, "{nope"])
     assert train_pretrain.main(flags(corpus, tmp_path, data_path=bad)) == 2
     assert "bad.jsonl:2: invalid JSON" in capsys.readouterr().err
+
+
+def test_wandb_offline_and_tensorboard_logging(corpus, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert train_pretrain.main(flags(corpus, tmp_path, max_steps=4, use_wandb=True, use_tensorboard=True)) == 0
+    run = tmp_path / "run"
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert offline, "wandb must default to offline mode without an API key"
+    record = metrics(run)[0]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "data_wait_frac", "peak_rss_gb"} <= set(record)
+    assert "mfu" not in record  # no known peak FLOPs on CPU: omitted, not 0
