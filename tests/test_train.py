@@ -229,3 +229,14 @@ def test_wandb_offline_and_tensorboard_logging(corpus, tmp_path, monkeypatch):
     record = metrics(run)[0]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "data_wait_frac", "peak_rss_gb"} <= set(record)
     assert "mfu" not in record  # no known peak FLOPs on CPU: omitted, not 0
+
+
+@pytest.mark.parametrize("flag", ["grad_checkpointing", "compile"])
+def test_memory_and_speed_flags_train_the_same_model(corpus, tmp_path, flag):
+    """--grad_checkpointing recomputes activations, --compile fuses kernels: neither changes the math."""
+    common = dict(max_steps=3, log_interval=1, eval_interval=100, save_interval=100)
+    assert train_pretrain.main(flags(corpus, tmp_path, "plain", **common)) == 0
+    assert train_pretrain.main(flags(corpus, tmp_path, "flag", **{flag: True}, **common)) == 0
+    a, b = weights(tmp_path / "plain"), weights(tmp_path / "flag")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
