@@ -62,6 +62,10 @@ def build_parser(stage: str, description: str) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--deepspeed", default=None, help="DeepSpeed config JSON (e.g. launch/ds_zero2.json)")
+    # The deepspeed launcher appends --local_rank=N; the same value is in $LOCAL_RANK, which is what we read.
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--dist_timeout", type=int, default=600,
+                   help="seconds a collective may wait for other ranks before failing")
 
     g = p.add_argument_group("output and logging")
     g.add_argument("--out_dir", default="out")

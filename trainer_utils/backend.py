@@ -51,8 +51,13 @@ class Backend:
     def close(self) -> None:
         pass
 
+    @property
+    def owns_optimizer_state(self) -> bool:
+        """True when the backend saves the optimizer itself (collectively, via save_extra)."""
+        return False
+
     def save_extra(self, checkpoint_dir: Path) -> None:
-        """Write backend-owned state (e.g. sharded optimizer) into a checkpoint being assembled."""
+        """Write backend-owned state (e.g. sharded optimizer) into a checkpoint being assembled; all ranks."""
 
     def load_extra(self, checkpoint_dir: Path) -> None:
         """Restore backend-owned state from a checkpoint."""
@@ -107,10 +112,3 @@ class SingleBackend(Backend):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-
-def make_backend(args: Any) -> Backend:
-    """The backend for this process, chosen from the flags and the launcher's environment."""
-    from .runtime import Precision, resolve_device, resolve_dtype
-
-    device = resolve_device(args.device)
-    return SingleBackend(device, Precision(device, resolve_dtype(args.dtype, device)))

@@ -48,26 +48,30 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """Where checkpoint `step` is assembled before its rename; every rank can compute it."""
+    return run_dir / CHECKPOINTS / f".tmp-step_{step:08d}"
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_state: dict[str, Any] | None,
                     info: dict[str, Any], tokenizer_dir: Path | None, keep_last: int = 3,
-                    extra_writer: Any = None) -> Path:
+                    staged: bool = False) -> Path:
     """Write checkpoint `step` atomically and point `latest` at it; return its directory.
 
-    extra_writer(tmp_dir) may add files (e.g. DeepSpeed's sharded optimizer state) before the rename.
+    staged=True keeps what other ranks already wrote into staging_dir (e.g. DeepSpeed optimizer shards).
     """
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(run_dir, step)
+    if not staged:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash at this same step
     try:
         save_model(model, tmp, tokenizer_dir=tokenizer_dir)
         (tmp / INFO_NAME).write_text(json.dumps({**info, "step": step}, indent=2) + "\n")
         if training_state is not None:
             torch.save(training_state, tmp / STATE_NAME)
-        if extra_writer is not None:
-            extra_writer(tmp)
         _fsync_tree(tmp)
         if final.exists():  # re-saving the same step (e.g. final save right after an interval save)
             shutil.rmtree(final)
@@ -85,9 +89,8 @@ def _prune(root: Path, keep_last: int, keep: Path) -> None:
     for old in steps[: max(0, len(steps) - keep_last)]:
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-*"):  # from a crashed writer of this or an earlier process
-        if not stale.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):  # debris of a crashed earlier save
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import resource
 import shutil
 import sys
@@ -28,8 +29,9 @@ from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer, To
 from model import ConfigError, ModelConfig, PocketLM, get_preset
 from model.loading import CheckpointError, load_model, load_state_into, read_state_dict, resolve_model_dir
 
-from .backend import Backend, make_backend
-from .checkpoint import latest_checkpoint, load_training_state, save_checkpoint
+from .backend import Backend
+from .checkpoint import latest_checkpoint, load_training_state, save_checkpoint, staging_dir
+from .distributed import make_backend
 from .data import StepFeeder, eval_batches
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .optim import WarmupCosine, build_optimizer
@@ -135,10 +137,10 @@ class Trainer:
         min_lr = a.min_lr if a.min_lr is not None else a.learning_rate / 10
         self.scheduler = WarmupCosine(self.optimizer, a.learning_rate, min_lr, warmup, self.total_steps)
         self.step, self.cursor, self.tokens_seen, self.bad_in_a_row, self.skipped = 0, 0, 0, 0, 0
-        if s.resume_from is not None:
-            self._restore(s.resume_from)
         forward_model = torch.compile(self.model) if a.compile else self.model
         self.forward_model = self.backend.wrap(forward_model, self.optimizer)
+        if s.resume_from is not None:  # after wrap: a DeepSpeed engine restores into itself
+            self._restore(s.resume_from)
         cfg = self.model.config
         self.flops_per_token = flops_per_token(cfg.num_parameters(non_embedding=True), cfg.num_hidden_layers,
                                                cfg.hidden_size, s.max_seq_len)
@@ -160,7 +162,8 @@ class Trainer:
         if state.get("tokenizer_sha256") not in (None, self.s.tokenizer.sha256):
             raise TokenizerError(f"{ckpt}: trained with another tokenizer (sha256 {state['tokenizer_sha256'][:12]}"
                                  f"), not {self.s.tokenizer.path}")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self.backend.owns_optimizer_state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.backend.load_state_dict_extra(state.get("backend", {}))
         self.backend.load_extra(ckpt)
@@ -171,20 +174,28 @@ class Trainer:
                   f"sample cursor ({self.cursor}) carries over; the effective batch is now "
                   f"{self.samples_per_step}", file=sys.stderr)
 
-    def save(self, val_loss: float | None = None) -> Path | None:
-        state = None
-        if self.backend.is_main:
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     "step": self.step, "cursor": self.cursor, "tokens_seen": self.tokens_seen, "rng": rng_state(),
-                     "backend": self.backend.state_dict_extra(), "world_size": self.backend.world_size,
-                     "tokenizer_sha256": self.s.tokenizer.sha256, "args": vars(self.a)}
-        path = None
-        if self.backend.is_main:
+    def save(self, val_loss: float | None = None) -> None:
+        """Checkpoint (collective): backend shards first on every rank, then rank 0 completes and publishes."""
+        backend, staged = self.backend, self.backend.owns_optimizer_state
+        if staged:
+            staging = staging_dir(self.s.run_dir, self.step)
+            if backend.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            backend.barrier()
+            backend.save_extra(staging)
+            backend.barrier()
+        if backend.is_main:
+            state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "cursor": self.cursor,
+                     "tokens_seen": self.tokens_seen, "rng": rng_state(), "backend": backend.state_dict_extra(),
+                     "world_size": backend.world_size, "tokenizer_sha256": self.s.tokenizer.sha256,
+                     "args": vars(self.a)}
+            if not staged:
+                state["optimizer"] = self.optimizer.state_dict()
             info = {"stage": self.s.stage, "tokens_seen": self.tokens_seen, "val_loss": val_loss}
-            path = save_checkpoint(self.s.run_dir, self.step, self.model, state, info, self.s.tokenizer.path,
-                                   self.a.keep_last, extra_writer=self.backend.save_extra)
-        self.backend.barrier()
-        return path
+            save_checkpoint(self.s.run_dir, self.step, self.model, state, info, self.s.tokenizer.path,
+                            self.a.keep_last, staged=staged)
+        backend.barrier()
 
     # -------------------------------------------------------------------------- eval
     @torch.no_grad()
@@ -243,8 +254,14 @@ class Trainer:
                     t_wait = time.perf_counter()
                     micro, local = feeder.next_step()
                     window["wait"] += time.perf_counter() - t_wait
-                    # valid targets of the whole step, over all ranks
-                    n_valid = backend.all_reduce_sum(torch.tensor(float(local), device=self.device))
+                    # One small collective per step: the valid targets of the whole step over all ranks, and
+                    # whether any rank got a stop signal (all ranks must stop after the same step).
+                    shared = torch.tensor([float(local), float(stop.received is not None)], device=self.device)
+                    shared = backend.all_reduce_sum(shared)
+                    if backend.world_size > 1 and shared[1].item() > 0:
+                        stop.received = stop.received or "stop signal on another rank"
+                        break
+                    n_valid = shared[0]
                     n_valid_host = int(n_valid.item()) if backend.world_size > 1 else local
                     if n_valid_host == 0:
                         self.skipped += 1
@@ -286,13 +303,20 @@ class Trainer:
                     if self.step % a.save_interval == 0 or self.step == self.total_steps:
                         self.save(val_loss)
                         last_saved = self.step
-                    if stop.received:
-                        if last_saved != self.step:
-                            self.save(val_loss)
-                            last_saved = self.step
-                        logger.message(f"{stop.received} received: checkpointed step {self.step} to {s.run_dir}; "
-                                       "continue with --resume")
+                    if stop.received and backend.world_size == 1:
                         break
+                if stop.received and exit_code == 0:
+                    if last_saved != self.step:
+                        self.save(val_loss)
+                    logger.message(f"{stop.received} received: checkpointed step {self.step} to {s.run_dir}; "
+                                   "continue with --resume")
+        except RuntimeError as e:
+            if backend.world_size == 1 or not is_peer_failure(e):
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            print(f"error: rank {backend.rank} lost contact with the other ranks ({first}); a rank died or hung. "
+                  f"Resume with --resume from the last checkpoint.", file=sys.stderr)
+            exit_code = 1
         finally:
             feeder.close()
             logger.close()
@@ -300,9 +324,12 @@ class Trainer:
 
     def _log(self, logger: MetricsLogger, w: dict[str, Any], grad_norm: float) -> None:
         elapsed = time.perf_counter() - w["t0"]
-        loss = float(w["loss"]) / max(w["valid"], 1)  # the one host sync for the loss, per log interval
-        record = {"step": self.step, "loss": round(loss, 5), "lr": self.scheduler.lr, "grad_norm": round(grad_norm, 4),
-                  "tokens_per_s": round(w["valid"] * self.backend.world_size / elapsed),
+        # token-weighted loss over all ranks: the one host sync for the loss, per log interval
+        totals = torch.stack([w["loss"].double(), torch.tensor(float(w["valid"]), device=self.device).double()])
+        loss_sum, valid = self.backend.all_reduce_sum(totals).tolist()
+        loss = loss_sum / max(valid, 1)
+        record = {"step": self.step, "loss": round(loss, 6), "lr": self.scheduler.lr, "grad_norm": round(grad_norm, 4),
+                  "tokens_per_s": round(valid / elapsed),
                   "step_time_s": round(elapsed / max(w["steps"], 1), 4),
                   "data_wait_frac": round(w["wait"] / elapsed, 4), "tokens_seen": self.tokens_seen,
                   "skipped_steps": self.skipped}
@@ -323,6 +350,13 @@ class Trainer:
                         "val_ppl": round(math.exp(min(val_loss, 50)), 3)})
             logger.message(f"step {self.step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
         return val_loss
+
+
+def is_peer_failure(e: RuntimeError) -> bool:
+    """Whether a collective failed because another rank died or hung (gloo/NCCL report it as RuntimeError)."""
+    if isinstance(e, getattr(torch.distributed, "DistError", ())):
+        return True
+    return re.search(r"(?i)connection (closed|reset|refused)|timed? ?out|by peer|nccl|gloo", str(e)) is not None
 
 
 def run(args: argparse.Namespace, stage: str) -> int:

@@ -1,0 +1,200 @@
+"""Multi-process backends: launcher detection, DDP, and DeepSpeed ZeRO-2, behind the loop's Backend interface.
+
+Launchers are recognised from their environment:
+    torchrun / deepspeed   RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    srun (Slurm)           SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS (+ the rendezvous derived below)
+    nothing                one process: SingleBackend
+NCCL is used on CUDA, gloo on CPU. Every collective has a timeout, so a dead rank makes the others fail with a
+message instead of hanging forever.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .backend import Backend, SingleBackend
+from .runtime import Precision, resolve_device, resolve_dtype
+
+
+@dataclass
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    launcher: str  # "torchrun" | "slurm" | "none"
+
+
+def detect_env() -> DistEnv:
+    e = os.environ
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return DistEnv(int(e["RANK"]), int(e.get("LOCAL_RANK", 0)), int(e["WORLD_SIZE"]), "torchrun")
+    if "SLURM_PROCID" in e and int(e.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in e:
+        env = DistEnv(int(e["SLURM_PROCID"]), int(e.get("SLURM_LOCALID", 0)), int(e["SLURM_NTASKS"]), "slurm")
+        # torch.distributed's env:// rendezvous reads these; srun does not set them.
+        os.environ.setdefault("MASTER_ADDR", _first_slurm_host())
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(e.get("SLURM_JOB_ID", "0")) % 20000))
+        os.environ.update(RANK=str(env.rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.world_size))
+        return env
+    return DistEnv(0, 0, 1, "none")
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "localhost")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()
+        return out[0] if out else "localhost"
+    except (OSError, subprocess.SubprocessError):
+        return nodelist.split(",")[0]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device_for(env: DistEnv, requested: str) -> torch.device:
+    device = resolve_device(requested)
+    if device.type == "cuda":
+        # one GPU per process: local rank picks it unless the user pinned one explicitly
+        device = torch.device("cuda", env.local_rank if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    return device
+
+
+class DDPBackend(SingleBackend):
+    """DistributedDataParallel: gradients averaged across ranks, synchronised only on the last micro-batch."""
+
+    def __init__(self, env: DistEnv, device: torch.device, precision: Precision, timeout_s: int) -> None:
+        super().__init__(device, precision)
+        self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
+                                    world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return model.no_sync()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DeepSpeedBackend(DDPBackend):
+    """DeepSpeed ZeRO (stage from the JSON file): sharded optimizer state, engine-owned checkpoints.
+
+    Our flags override the file for everything the loop also controls (micro-batch, accumulation, clipping,
+    precision); the file supplies the ZeRO settings (stage, offload, bucket sizes).
+    """
+
+    def __init__(self, env: DistEnv, device: torch.device, precision: Precision, timeout_s: int, args: Any) -> None:
+        import deepspeed  # noqa: F401 - imported here so the other backends never need it
+
+        Backend.__init__(self)
+        self.device, self.precision = device, precision
+        self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
+        if precision.dtype == torch.float16:
+            raise SystemExit("error: use --dtype bfloat16 or float32 with --deepspeed (DeepSpeed does its own "
+                             "fp16 loss scaling, which the loop does not drive)")
+        try:
+            self.config = json.loads(Path(args.deepspeed).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: --deepspeed {args.deepspeed}: {e}") from None
+        self.config.update({
+            "train_micro_batch_size_per_gpu": args.batch_size,
+            "gradient_accumulation_steps": args.accumulation_steps,
+            "train_batch_size": args.batch_size * args.accumulation_steps * env.world_size,
+            "gradient_clipping": args.grad_clip,
+            "bf16": {"enabled": precision.dtype == torch.bfloat16},
+            "fp16": {"enabled": False},
+            "zero_allow_untested_optimizer": True,  # our torch AdamW/SGD, so flags and schedule stay ours
+        })
+        self.config.pop("optimizer", None)
+        self.config.pop("scheduler", None)
+        if not dist.is_initialized():
+            import deepspeed
+            if env.launcher == "none":  # plain `python`: a one-process group on this machine, no MPI lookup
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", str(_free_port()))
+                os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+            deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False,
+                                       timeout=datetime.timedelta(seconds=timeout_s), rank=env.rank,
+                                       world_size=env.world_size)
+        self.engine = None
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        import deepspeed
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        return self.engine
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine knows the accumulation boundary itself
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The loop already normalised the loss over the whole step; stop DeepSpeed dividing by the
+        # accumulation steps again. step() after every micro-batch is DeepSpeed's protocol: it only updates
+        # at the accumulation boundary.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.step()
+
+    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> tuple[float, bool]:
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        overflow = bool(getattr(self.engine.optimizer, "overflow", False))
+        return norm, not overflow
+
+    def state_dict_extra(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict_extra(self, state: dict[str, Any]) -> None:
+        pass
+
+    @property
+    def owns_optimizer_state(self) -> bool:
+        return True
+
+    def save_extra(self, checkpoint_dir: Path) -> None:
+        # Collective: every rank writes its optimizer shard.
+        self.engine.save_checkpoint(str(checkpoint_dir), tag="deepspeed", save_latest=False)
+
+    def load_extra(self, checkpoint_dir: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(checkpoint_dir), tag="deepspeed", load_module_strict=True)
+        if path is None:
+            raise SystemExit(f"error: {checkpoint_dir} holds no DeepSpeed state (was it saved without --deepspeed?)")
+
+
+def make_backend(args: Any) -> Backend:
+    """The backend for this process, chosen from the flags and the launcher's environment."""
+    env = detect_env()
+    device = _device_for(env, args.device)
+    precision = Precision(device, resolve_dtype(args.dtype, device))
+    if args.deepspeed:
+        return DeepSpeedBackend(env, device, precision, args.dist_timeout, args)
+    if env.world_size > 1:
+        return DDPBackend(env, device, precision, args.dist_timeout)
+    return SingleBackend(device, precision)
