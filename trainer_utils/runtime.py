@@ -98,13 +98,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- stop signals
 class StopSignal:
-    """Turns SIGTERM / SIGINT / SIGUSR1 into a flag the loop checks between optimizer steps.
+    """Turns SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 into a flag the loop checks between optimizer steps.
+
+    SIGUSR2 is what submitit asks Slurm to send before a time-out.
 
     The step in flight finishes, a checkpoint is written, and the process exits 0. A second Ctrl-C while
     stopping restores the default handler's behaviour (immediate KeyboardInterrupt).
     """
 
-    SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
     def __init__(self) -> None:
         self.received: str | None = None
