@@ -163,6 +163,9 @@ class Trainer:
             raise TokenizerError(f"{ckpt}: trained with another tokenizer (sha256 {state['tokenizer_sha256'][:12]}"
                                  f"), not {self.s.tokenizer.path}")
         if not self.backend.owns_optimizer_state:
+            if "optimizer" not in state:
+                raise CheckpointError(f"{ckpt}: written by DeepSpeed (optimizer shards in deepspeed/); resume it "
+                                      "with --deepspeed, or start a new run from its weights with --init_from")
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.backend.load_state_dict_extra(state.get("backend", {}))
