@@ -7,7 +7,7 @@ DEMO_PRETRAIN_STEPS ?= 450
 DEMO_SFT_STEPS ?= 150
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: install install-dev test demo
+.PHONY: install install-dev test demo bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
@@ -42,3 +42,10 @@ demo: install
 		--prompt "How do I get documentation on Python?" --prompt "你好，你是谁？"
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-pretrain
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-sft
+
+# Benchmarks (CPU here, any GPU elsewhere); results land in bench/results/, the README quotes them.
+BENCH_DATA ?= dataset/demo/pretrain_demo.jsonl
+bench: install-dev
+	$(PYTHON) bench/bench_data.py --data_path $(BENCH_DATA) --out bench/results/data-$$(hostname).json
+	$(PYTHON) bench/bench_generate.py --out bench/results/generate-$$(hostname).json
+	$(PYTHON) bench/bench_train.py --out bench/results/train-$$(hostname).json

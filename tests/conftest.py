@@ -45,3 +45,29 @@ def write_jsonl(path: Path, records: list) -> Path:
         for r in records:
             f.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
     return path
+
+
+def demo_records(name: str, n: int) -> list[dict]:
+    """The first n records of a bundled demo file (pretrain_demo.jsonl or sft_demo.jsonl)."""
+    import json
+    with open(ROOT / "dataset" / "demo" / name, encoding="utf-8") as f:
+        return [json.loads(line) for _, line in zip(range(n), f)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict[str, Path]:
+    """Small real training files (40 documents, 60 conversations) and a token cache shared by a test module."""
+    d = tmp_path_factory.mktemp("corpus")
+    return {"pretrain": write_jsonl(d / "pretrain.jsonl", demo_records("pretrain_demo.jsonl", 40)),
+            "sft": write_jsonl(d / "sft.jsonl", demo_records("sft_demo.jsonl", 60)), "cache": d / "cache"}
+
+
+def cli_flags(base: dict, **overrides) -> list[str]:
+    """argv for a training script: {"max_steps": 4, "resume": True} -> ["--max_steps", "4", "--resume"]."""
+    out: list[str] = []
+    for key, value in {**base, **overrides}.items():
+        if value is True:
+            out.append(f"--{key}")
+        elif value is not None and value is not False:
+            out += [f"--{key}", str(value)]
+    return out

@@ -12,29 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, write_jsonl
+from conftest import ROOT, cli_flags
 
 from model import load_model
 
-TEXTS = [json.loads(line)["text"] for line in open(ROOT / "dataset/demo/pretrain_demo.jsonl", encoding="utf-8")][:40]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("corpus")
-    return {"data": write_jsonl(d / "p.jsonl", [{"text": t} for t in TEXTS]), "cache": d / "cache"}
-
-
 def args(corpus, out: Path, run: str, **over) -> list[str]:
-    base = {"data_path": corpus["data"], "cache_dir": corpus["cache"], "out_dir": out, "run_name": run,
+    base = {"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": out, "run_name": run,
             "preset": "tiny", "max_steps": 6, "dtype": "float32", "log_interval": 1, "eval_interval": 3,
             "save_interval": 3, "num_workers": 0, "learning_rate": 1e-3, "warmup_steps": 2, "keep_last": 10}
-    base.update(over)
-    out_args = []
-    for k, v in base.items():
-        out_args += [f"--{k}"] if v is True else [f"--{k}", str(v)]
-    return out_args
+    return cli_flags(base, **over)
 
 
 def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

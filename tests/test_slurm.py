@@ -14,26 +14,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, write_jsonl
+from conftest import ROOT, cli_flags
 
 pytest.importorskip("submitit")
 from launch import slurm  # noqa: E402
 
-TEXTS = [json.loads(line)["text"] for line in open(ROOT / "dataset/demo/pretrain_demo.jsonl", encoding="utf-8")][:40]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("corpus")
-    return {"data": write_jsonl(d / "p.jsonl", [{"text": t} for t in TEXTS]), "cache": d / "cache"}
 
 
 def train_args(corpus, out: Path, run: str, **over) -> list[str]:
-    base = {"data_path": corpus["data"], "cache_dir": corpus["cache"], "out_dir": out, "run_name": run,
+    base = {"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": out, "run_name": run,
             "preset": "tiny", "max_steps": 4, "dtype": "float32", "log_interval": 1, "eval_interval": 1000,
             "save_interval": 2, "num_workers": 0, "batch_size": 4}
-    base.update(over)
-    return [x for k, v in base.items() for x in (f"--{k}", str(v))]
+    return cli_flags(base, **over)
 
 
 def slurm_ready() -> bool:

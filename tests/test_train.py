@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, write_jsonl
+from conftest import ROOT, cli_flags, demo_records, write_jsonl
 
 import train_full_sft
 import train_pretrain
@@ -20,29 +20,14 @@ from trainer_utils import checkpoint as ckpt_mod
 from trainer_utils import loop as loop_mod
 from trainer_utils.optim import WarmupCosine
 
-TEXTS = [json.loads(line)["text"] for line in open(ROOT / "dataset/demo/pretrain_demo.jsonl", encoding="utf-8")][:40]
-CONVS = [json.loads(line) for line in open(ROOT / "dataset/demo/sft_demo.jsonl", encoding="utf-8")][:60]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("corpus")
-    return {"pretrain": write_jsonl(d / "pretrain.jsonl", [{"text": t} for t in TEXTS]),
-            "sft": write_jsonl(d / "sft.jsonl", CONVS), "cache": d / "cache"}
+TEXTS = [r["text"] for r in demo_records("pretrain_demo.jsonl", 40)]
 
 
 def flags(corpus, tmp_path, run="run", **over) -> list[str]:
     base = {"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": tmp_path, "run_name": run,
             "preset": "tiny", "batch_size": 4, "max_steps": 8, "dtype": "float32", "log_interval": 2,
             "eval_interval": 4, "save_interval": 4, "num_workers": 0, "learning_rate": 1e-3, "warmup_steps": 2}
-    base.update(over)
-    out = []
-    for k, v in base.items():
-        if v is True:
-            out.append(f"--{k}")
-        elif v is not None and v is not False:
-            out += [f"--{k}", str(v)]
-    return out
+    return cli_flags(base, **over)
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
