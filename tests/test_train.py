@@ -225,3 +225,26 @@ def test_memory_and_speed_flags_train_the_same_model(corpus, tmp_path, flag):
     a, b = weights(tmp_path / "plain"), weights(tmp_path / "flag")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])  # fused (device-side skip) and plain (host check)
+def test_non_finite_steps_are_skipped_then_training_stops(corpus, tmp_path, monkeypatch, optimizer):
+    args = train_pretrain.build_parser("pretrain", "").parse_args(
+        flags(corpus, tmp_path, optimizer=optimizer, max_bad_steps=3, log_interval=1, max_steps=20))
+    trainer = loop_mod.Trainer(loop_mod.Session(args, "pretrain"))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    real_step = trainer.train_step
+
+    def poisoned(micro, n_valid):
+        loss = real_step(micro, n_valid)
+        next(trainer.model.parameters()).grad.fill_(float("nan"))  # as an fp overflow would
+        return loss
+
+    monkeypatch.setattr(trainer, "train_step", poisoned)
+    assert trainer.fit() == 1
+    assert trainer.step == 3 and trainer.skipped == 3
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step must not touch the weights"
+    assert not (tmp_path / "run" / "latest").exists()  # nothing saved from the broken run
+    adam_steps = [float(state["step"]) for state in trainer.optimizer.state.values() if "step" in state]
+    assert all(n == 0 for n in adam_steps)  # Adam's bias-correction clock did not advance either

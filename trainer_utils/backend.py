@@ -38,8 +38,12 @@ class Backend:
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> tuple[float, bool]:
-        """Clip, check, and apply the accumulated gradients; return (grad_norm, applied)."""
+    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+             skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, check and apply the accumulated gradients unless they are non-finite (or `skip` is true).
+
+        Returns (grad_norm, applied) as device tensors, so the loop needs no host sync per step.
+        """
         raise NotImplementedError
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -86,28 +90,32 @@ class SingleBackend(Backend):
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.scaler.scale(loss).backward()
 
-    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> tuple[float, bool]:
+    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+             skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         scaler = self.precision.scaler
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        max_norm = grad_clip if grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        norm_value = float(norm)  # one host sync per optimizer step: needed to decide whether to skip
-        finite = norm_value == norm_value and norm_value != float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
         if scaler.is_enabled():
-            # The scaler skips the update itself on inf/nan and lowers its scale; that is loss-scale
-            # calibration, not a broken step.
-            scale_before = scaler.get_scale()
+            # fp16: the scaler skips non-finite steps itself (and lowers its scale); read its verdict on device.
             scaler.step(optimizer)
+            found = sum(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
             scaler.update()
-            applied = scaler.get_scale() >= scale_before
-        elif finite:
-            optimizer.step()
-            applied = True
+            applied = found == 0
         else:
-            applied = False
+            bad = ~torch.isfinite(norm)
+            if skip is not None:
+                bad = bad | skip
+            if optimizer.defaults.get("fused"):
+                # Fused optimizers skip on a device-side flag (the mechanism GradScaler uses): no host sync.
+                optimizer.grad_scale, optimizer.found_inf = None, bad.float()
+                optimizer.step()
+                del optimizer.grad_scale, optimizer.found_inf
+            elif not bool(bad):  # other optimizers: one host sync to decide
+                optimizer.step()
+            applied = ~bad
         optimizer.zero_grad(set_to_none=True)
-        return norm_value, applied
+        return norm.detach(), applied
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

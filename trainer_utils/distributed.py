@@ -162,11 +162,13 @@ class DeepSpeedBackend(DDPBackend):
         self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 
-    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> tuple[float, bool]:
+    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+             skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The engine already stepped (at the accumulation boundary, inside backward()).
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
+        norm = torch.as_tensor(float("nan") if norm is None else norm, device=self.device, dtype=torch.float32)
         overflow = bool(getattr(self.engine.optimizer, "overflow", False))
-        return norm, not overflow
+        return norm, torch.tensor(not overflow, device=self.device)
 
     def state_dict_extra(self) -> dict[str, Any]:
         return {}

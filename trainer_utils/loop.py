@@ -180,6 +180,8 @@ class Trainer:
     def save(self, val_loss: float | None = None) -> None:
         """Checkpoint (collective): backend shards first on every rank, then rank 0 completes and publishes."""
         backend, staged = self.backend, self.backend.owns_optimizer_state
+        if hasattr(self, "counters"):
+            self._sync_counters()
         if staged:
             staging = staging_dir(self.s.run_dir, self.step)
             if backend.is_main:
@@ -247,60 +249,60 @@ class Trainer:
             logger.message(json.dumps({k: v for k, v in self.resolved.items() if k not in ("args", "model")}))
         feeder = StepFeeder(s.train_data, a.batch_size, a.accumulation_steps, backend.rank, backend.world_size,
                             self.cursor, self.device)
-        window = {"loss": torch.zeros((), device=self.device), "valid": 0, "tokens": 0, "wait": 0.0,
-                  "t0": time.perf_counter(), "steps": 0}
+        # Running totals live on the device and are read once per log interval: no host sync per step.
+        zero = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
+        window = {"loss": zero(), "valid": zero(), "tokens": 0, "wait": 0.0, "t0": time.perf_counter(), "steps": 0}
+        self.counters = {"tokens_seen": zero() + self.tokens_seen, "skipped": zero() + self.skipped,
+                         "bad_in_a_row": zero(), "grad_norm": zero()}
         exit_code, val_loss, last_saved = 0, None, -1
         self.model.train()
         try:
             with StopSignal() as stop:
                 while self.step < self.total_steps:
+                    if backend.world_size > 1 and self.step % a.log_interval == 0:
+                        # ranks agree on stopping (all after the same step), checked once per log interval
+                        flag = torch.tensor(float(stop.received is not None), device=self.device)
+                        if backend.all_reduce_sum(flag).item() > 0:
+                            stop.received = stop.received or "stop signal on another rank"
+                            break
                     t_wait = time.perf_counter()
                     micro, local = feeder.next_step()
                     window["wait"] += time.perf_counter() - t_wait
-                    # One small collective per step: the valid targets of the whole step over all ranks, and
-                    # whether any rank got a stop signal (all ranks must stop after the same step).
-                    shared = torch.tensor([float(local), float(stop.received is not None)], device=self.device)
-                    shared = backend.all_reduce_sum(shared)
-                    if backend.world_size > 1 and shared[1].item() > 0:
-                        stop.received = stop.received or "stop signal on another rank"
-                        break
-                    n_valid = shared[0]
-                    n_valid_host = int(n_valid.item()) if backend.world_size > 1 else local
-                    if n_valid_host == 0:
-                        self.skipped += 1
-                        self.cursor = feeder.cursor
-                        self.step += 1
-                        self.scheduler.step()
-                        logger.advance()
-                        continue
-                    try:
-                        loss_sum = self.train_step(micro, n_valid.clamp(min=1))
-                        grad_norm, applied = backend.step(self.forward_model, self.optimizer, a.grad_clip)
-                    except torch.cuda.OutOfMemoryError:
-                        raise SystemExit(f"error: {OOM_HELP}") from None
+                    if backend.world_size == 1 and local == 0:  # no target in the whole step: nothing to learn
+                        n_local = n_valid = loss_sum = grad_norm = zero()
+                        applied = torch.zeros((), dtype=torch.bool, device=self.device)
+                    else:
+                        n_local = sum((y != IGNORE_INDEX).sum() for _, y in micro).double()
+                        # the valid targets of the whole step, over all ranks, normalise the loss
+                        n_valid = backend.all_reduce_sum(n_local.clone()) if backend.world_size > 1 else n_local
+                        try:
+                            loss_sum = self.train_step(micro, n_valid.float().clamp(min=1))
+                            grad_norm, applied = backend.step(self.forward_model, self.optimizer, a.grad_clip,
+                                                              skip=n_valid == 0)
+                        except torch.cuda.OutOfMemoryError:
+                            raise SystemExit(f"error: {OOM_HELP}") from None
                     self.step += 1
                     self.cursor = feeder.cursor
-                    self.tokens_seen += n_valid_host
                     self.scheduler.step()
                     logger.advance()
-                    if applied:
-                        self.bad_in_a_row = 0
-                        window["loss"] += loss_sum
-                        window["valid"] += local
-                    else:
-                        self.bad_in_a_row += 1
-                        self.skipped += 1
-                        if self.bad_in_a_row >= a.max_bad_steps:
-                            logger.message(f"error: {self.bad_in_a_row} consecutive steps had non-finite "
-                                           f"gradients (last grad norm {grad_norm}); stopping without saving. "
-                                           "Try a lower --learning_rate, --dtype bfloat16 or float32. The last "
-                                           "checkpoint is intact.")
-                            exit_code = 1
-                            break
+                    ok = applied.double()
+                    window["loss"] += loss_sum * ok
+                    window["valid"] += n_local * ok
+                    c = self.counters
+                    c["tokens_seen"] += n_valid * ok
+                    c["skipped"] += 1 - ok
+                    c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
+                    c["grad_norm"] = grad_norm.double()
                     window["tokens"] += sum(x.numel() for x, _ in micro) * backend.world_size
                     window["steps"] += 1
                     if self.step % a.log_interval == 0 or self.step == self.total_steps:
-                        self._log(logger, window, grad_norm)
+                        self._log(logger, window)
+                        if self.bad_in_a_row >= a.max_bad_steps:
+                            logger.message(f"error: {self.bad_in_a_row} consecutive steps had non-finite "
+                                           "gradients; stopping without saving. Try a lower --learning_rate, "
+                                           "--dtype bfloat16 or float32. The last checkpoint is intact.")
+                            exit_code = 1
+                            break
                     if self.step % a.eval_interval == 0 or self.step == self.total_steps:
                         val_loss = self._eval_and_log(logger)
                     if self.step % a.save_interval == 0 or self.step == self.total_steps:
@@ -325,14 +327,19 @@ class Trainer:
             logger.close()
         return exit_code
 
-    def _log(self, logger: MetricsLogger, w: dict[str, Any], grad_norm: float) -> None:
+    def _sync_counters(self) -> None:
+        """Copy the device-side counters to plain numbers (one host sync)."""
+        c = self.counters
+        tokens, skipped, bad = torch.stack([c["tokens_seen"], c["skipped"], c["bad_in_a_row"]]).tolist()
+        self.tokens_seen, self.skipped, self.bad_in_a_row = int(tokens), int(skipped), int(bad)
+
+    def _log(self, logger: MetricsLogger, w: dict[str, Any]) -> None:
         elapsed = time.perf_counter() - w["t0"]
-        # token-weighted loss over all ranks: the one host sync for the loss, per log interval
-        totals = torch.stack([w["loss"].double(), torch.tensor(float(w["valid"]), device=self.device).double()])
-        loss_sum, valid = self.backend.all_reduce_sum(totals).tolist()
-        loss = loss_sum / max(valid, 1)
-        record = {"step": self.step, "loss": round(loss, 6), "lr": self.scheduler.lr, "grad_norm": round(grad_norm, 4),
-                  "tokens_per_s": round(valid / elapsed),
+        # token-weighted loss over all ranks: the one host sync per log interval
+        loss_sum, valid = self.backend.all_reduce_sum(torch.stack([w["loss"], w["valid"]])).tolist()
+        self._sync_counters()
+        record = {"step": self.step, "loss": round(loss_sum / max(valid, 1), 6), "lr": self.scheduler.lr,
+                  "grad_norm": round(float(self.counters["grad_norm"]), 4), "tokens_per_s": round(valid / elapsed),
                   "step_time_s": round(elapsed / max(w["steps"], 1), 4),
                   "data_wait_frac": round(w["wait"] / elapsed, 4), "tokens_seen": self.tokens_seen,
                   "skipped_steps": self.skipped}
@@ -343,8 +350,8 @@ class Trainer:
         else:
             record["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
         logger.log(record, bar_fields=("loss", "lr", "tokens_per_s"))
-        w.update(loss=torch.zeros((), device=self.device), valid=0, tokens=0, wait=0.0, t0=time.perf_counter(),
-                 steps=0)
+        w.update(loss=torch.zeros_like(w["loss"]), valid=torch.zeros_like(w["valid"]), tokens=0, wait=0.0,
+                 t0=time.perf_counter(), steps=0)
 
     def _eval_and_log(self, logger: MetricsLogger) -> float | None:
         val_loss = self.evaluate()
