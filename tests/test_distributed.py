@@ -134,3 +134,13 @@ def test_deepspeed_launcher_and_plain_python(corpus, tmp_path):
                          cwd=ROOT, env=env_free, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]  # no launcher, no mpi4py: still a one-process run
     assert "DeepSpeedBackend" in res.stderr
+
+
+def test_existing_run_stops_every_rank_at_once(corpus, tmp_path):
+    torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, max_steps=2))
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                          "train_pretrain.py", *args(corpus, tmp_path, "ddp", batch_size=4, max_steps=2)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and res.stderr.count("already holds a run") == 2  # both ranks, no hang
+    assert time.time() - t0 < 60

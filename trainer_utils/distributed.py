@@ -113,7 +113,7 @@ class DeepSpeedBackend(DDPBackend):
     """
 
     def __init__(self, env: DistEnv, device: torch.device, precision: Precision, timeout_s: int, args: Any) -> None:
-        import deepspeed  # noqa: F401 - imported here so the other backends never need it
+        import deepspeed  # imported here so the other backends never need it
 
         Backend.__init__(self)
         self.device, self.precision = device, precision
@@ -137,7 +137,6 @@ class DeepSpeedBackend(DDPBackend):
         self.config.pop("optimizer", None)
         self.config.pop("scheduler", None)
         if not dist.is_initialized():
-            import deepspeed
             if env.launcher == "none":  # plain `python`: a one-process group on this machine, no MPI lookup
                 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
                 os.environ.setdefault("MASTER_PORT", str(_free_port()))

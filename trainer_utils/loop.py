@@ -27,11 +27,11 @@ from dataset.datasets import PretrainDataset, SFTDataset
 from dataset.jsonl import DataError
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer, TokenizerError
 from model import ConfigError, ModelConfig, PocketLM, get_preset
-from model.loading import CheckpointError, load_model, load_state_into, read_state_dict, resolve_model_dir
+from model.loading import CheckpointError, load_state_into, read_state_dict, resolve_model_dir
 
 from .backend import Backend
 from .checkpoint import latest_checkpoint, load_training_state, save_checkpoint, staging_dir
-from .distributed import make_backend
+from .distributed import detect_env, make_backend
 from .data import StepFeeder, eval_batches
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .optim import WarmupCosine, build_optimizer
@@ -66,13 +66,15 @@ class Session:
         if self.max_seq_len > self.model_config.max_position_embeddings:
             raise ConfigError(f"--max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                               f"({self.model_config.max_position_embeddings})")
-        self.train_data, self.val_data = self._datasets()
-        self.backend: Backend = make_backend(args)
-        if self.backend.is_main and not args.resume and (self.run_dir / "latest").exists():
+        # Every rank checks (before any collective exists, so all stop together); only rank 0 deletes.
+        if not args.resume and (self.run_dir / "latest").exists():
             if not args.overwrite:
                 raise SystemExit(f"error: {self.run_dir} already holds a run; pass --resume to continue it, "
                                  "--overwrite to replace it, or --run_name to start another")
-            shutil.rmtree(self.run_dir)
+            if detect_env().rank == 0:
+                shutil.rmtree(self.run_dir)
+        self.train_data, self.val_data = self._datasets()
+        self.backend: Backend = make_backend(args)
         self.init_dir = init_dir
 
     def _model_config(self, init_dir: Path | None) -> ModelConfig:
