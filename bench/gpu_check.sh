@@ -30,7 +30,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cu
 missing = [m for m in ("numpy", "tokenizers", "safetensors", "tqdm", "pytest") if importlib.util.find_spec(m) is None]
 assert not missing, f"missing Python packages: {missing}"
 PY
-check cuda_tests 300 "$PY" -m pytest -q -m cuda tests/test_cuda.py
+check cuda_tests 300 env POCKETLM_REQUIRE_CUDA=1 "$PY" -m pytest -q -m cuda tests/test_cuda.py
 check sdpa_backend 60 "$PY" - <<'PY'
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel

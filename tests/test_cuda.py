@@ -5,6 +5,7 @@ bench/gpu_check.sh runs these on a GPU machine; the CPU suite covers the same lo
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from conftest import ROOT, tiny_config
 
 from model import KVCache, PocketLM
 
+# bench/gpu_check.sh sets POCKETLM_REQUIRE_CUDA=1: there a missing GPU must fail, not skip.
+if not torch.cuda.is_available() and os.environ.get("POCKETLM_REQUIRE_CUDA") == "1":
+    raise RuntimeError("POCKETLM_REQUIRE_CUDA=1 but torch.cuda.is_available() is False")
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
