@@ -73,6 +73,9 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"a KV cache of {max_len} positions exceeds max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
         shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -251,10 +254,13 @@ class PocketLM(nn.Module):
             contiguous = True
         else:
             contiguous = False
-        max_pos = int(position_ids.max()) if not contiguous else start + T - 1
-        if max_pos >= self.config.max_position_embeddings:
-            raise ValueError(f"position {max_pos} is beyond max_position_embeddings "
-                             f"({self.config.max_position_embeddings})")
+        # With a cache, a position never exceeds its slot (< cache.max_len <= max_position_embeddings), so the
+        # check needs no device-to-host read of position_ids on every decoded token.
+        if kv_cache is None or contiguous:
+            max_pos = start + T - 1 if contiguous else int(position_ids.max())
+            if max_pos >= self.config.max_position_embeddings:
+                raise ValueError(f"position {max_pos} is beyond max_position_embeddings "
+                                 f"({self.config.max_position_embeddings})")
 
         x = self.embed_tokens(input_ids)
         rope = None

@@ -142,3 +142,9 @@ def test_greedy_is_argmax_after_penalty():
 def test_bad_sampling_arguments():
     with pytest.raises(ValueError, match="top_p"):
         sample_next(torch.zeros(1, 5), top_p=0.0)
+
+
+def test_kv_cache_cannot_outgrow_the_position_table():
+    model = PocketLM(tiny_config()).eval()  # max_position_embeddings 256
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        KVCache(model.config, 1, 257)

@@ -89,7 +89,7 @@ class Session:
             overrides["max_seq_len"] = a.max_seq_len
             preset_max_pos = get_preset(a.preset).max_position_embeddings
             overrides["max_position_embeddings"] = max(preset_max_pos, a.max_seq_len)
-        if a.hidden_size is not None and "num_attention_heads" not in overrides:
+        if a.hidden_size is not None:
             # keep the preset's head size when only the width changes
             heads = max(1, a.hidden_size // get_preset(a.preset).head_dim)
             kv = get_preset(a.preset).num_key_value_heads
