@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import sys
 
-from trainer_utils.args import build_parser, check_args
-from trainer_utils.loop import run
-
 
 def main(argv: list[str] | None = None) -> int:
+    # Imported here, not at module level: tokenizer worker processes are spawned and re-import this file, and
+    # must not pay for loading PyTorch (~0.4 GB each).
+    from trainer_utils.args import build_parser, check_args
+    from trainer_utils.loop import run
+
     parser = build_parser("sft", __doc__)
     args = check_args(parser, parser.parse_args(argv))
     if args.init_from is None and not args.resume:

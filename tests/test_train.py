@@ -18,6 +18,7 @@ import train_pretrain
 from model import load_model
 from trainer_utils import checkpoint as ckpt_mod
 from trainer_utils import loop as loop_mod
+from trainer_utils.args import build_parser
 from trainer_utils.optim import WarmupCosine
 
 TEXTS = [r["text"] for r in demo_records("pretrain_demo.jsonl", 40)]
@@ -100,7 +101,7 @@ def test_accumulation_matches_a_bigger_batch(corpus, tmp_path):
 
 
 def test_fully_masked_micro_batch_contributes_zero(corpus, tmp_path):
-    args = train_full_sft.build_parser("sft", "").parse_args(
+    args = build_parser("sft", "").parse_args(
         flags(corpus, tmp_path, data_path=corpus["sft"], max_seq_len=64))
     trainer = loop_mod.Trainer(loop_mod.Session(args, "sft"))
     x, y = trainer.s.train_data.batch(trainer.s.train_data.global_indices(0, 4))
@@ -229,7 +230,7 @@ def test_memory_and_speed_flags_train_the_same_model(corpus, tmp_path, flag):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])  # fused (device-side skip) and plain (host check)
 def test_non_finite_steps_are_skipped_then_training_stops(corpus, tmp_path, monkeypatch, optimizer):
-    args = train_pretrain.build_parser("pretrain", "").parse_args(
+    args = build_parser("pretrain", "").parse_args(
         flags(corpus, tmp_path, optimizer=optimizer, max_bad_steps=3, log_interval=1, max_steps=20))
     trainer = loop_mod.Trainer(loop_mod.Session(args, "pretrain"))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
