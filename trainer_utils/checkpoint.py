@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from model.inference import TRAIN_INFO_NAME
 from model.loading import LATEST_NAME, save_model
 
 STATE_NAME = "training_state.pt"
-INFO_NAME = "train_info.json"
 CHECKPOINTS = "checkpoints"
 
 
@@ -69,7 +69,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_s
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash at this same step
     try:
         save_model(model, tmp, tokenizer_dir=tokenizer_dir)
-        (tmp / INFO_NAME).write_text(json.dumps({**info, "step": step}, indent=2) + "\n")
+        (tmp / TRAIN_INFO_NAME).write_text(json.dumps({**info, "step": step}, indent=2) + "\n")
         if training_state is not None:
             torch.save(training_state, tmp / STATE_NAME)
         _fsync_tree(tmp)
@@ -98,7 +98,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     if not pointer.is_file():
         return None
     target = run_dir / pointer.read_text().strip()
-    if not (target / STATE_NAME).is_file() and not target.is_dir():
+    if not target.is_dir():
         raise SystemExit(f"error: {pointer} points at {target}, which does not exist")
     return target
 
