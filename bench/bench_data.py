@@ -71,7 +71,7 @@ def bench_sft_padding(data: Path, tok: Tokenizer, seq_len: int) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data_path", default="dataset/demo/pretrain_demo.jsonl")
     p.add_argument("--sft_path", default="dataset/demo/sft_demo.jsonl")
@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--max_seq_len", type=int, default=512)
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     tok = Tokenizer(args.tokenizer)
     results = {"machine": {"host": platform.node(), "cpu_count": __import__("os").cpu_count(),
                            "python": platform.python_version(), "numpy": np.__version__},

@@ -5,18 +5,24 @@
 For every (preset, dtype, compile) it measures
   - the bare step: forward + loss + backward + clip + AdamW on one fixed batch, in a tight loop;
   - the real loop: train_pretrain.py in-process on the bundled corpus (data feeding, logging, bookkeeping);
-and reports loop overhead = 1 - bare / loop step time (target <= 3%), the data-wait fraction, effective
-(non-padding) tokens/s, MFU where the device's peak is known, and peak memory.
+each as the fastest of --repeats blocks of equal length. It reports both step times, the loop overhead (the
+share of the loop's step time spent outside forward/backward/optimizer, measured inside the same run;
+target <= 3%), the data-wait fraction, effective (non-padding) tokens/s, MFU where the device's peak is known
+(the loop's, and the bare step's as bare_mfu), and peak memory.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import platform
 import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +31,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
 from model import PocketLM, get_preset  # noqa: E402
+from trainer_utils.backend import SingleBackend  # noqa: E402
+from trainer_utils.loop import Trainer  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
 from trainer_utils.runtime import DTYPES, Precision  # noqa: E402
 
 
-def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int,
-                      device: torch.device) -> float:
-    """Median time of forward + backward + optimizer step on one fixed batch."""
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else the architecture."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int | None,
+                      min_seconds: float, repeats: int, device: torch.device) -> tuple[float, int]:
+    """Time per forward + backward + optimizer step on one fixed batch, and the steps per measured block.
+
+    Each of `repeats` blocks of `steps` steps gives a mean; the fastest block is reported, the one least
+    disturbed by the rest of the machine (the loop is measured the same way, so the two compare like for
+    like). With `steps` None a block lasts about `min_seconds` (at least 6 steps)."""
     torch.manual_seed(0)
     cfg = get_preset(preset, max_seq_len=seq, max_position_embeddings=max(seq, get_preset(preset).max_position_embeddings))
     model = PocketLM(cfg).to(device).train()
@@ -53,32 +73,73 @@ def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, 
         precision.scaler.update()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):  # warm-up (and compilation)
-        step()
-    times = []
-    for _ in range(steps):
+    def timed(n: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        step()
+        for _ in range(n):
+            step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        return (time.perf_counter() - t0) / n
+
+    timed(3)  # warm-up (and compilation)
+    if steps is None:
+        steps = max(6, min(500, math.ceil(min_seconds / timed(2))))
+    return min(timed(steps) for _ in range(repeats)), steps
 
 
-def loop_metrics(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int,
-                 out: Path) -> dict:
-    """The last logged window of a real train_pretrain.py run (after as many warm-up steps)."""
+@contextlib.contextmanager
+def timing_compute(device: torch.device) -> Iterator[list[float]]:
+    """Records the seconds each training step spends in compute (Trainer.train_step + the backend's step).
+
+    Whatever else a step takes (data hand-off, counters, scheduler, logging) is loop overhead. Measuring both
+    inside one run makes the overhead immune to the machine's speed drifting between two separate runs,
+    which on a shared 2-core VM moves step times by 5-10%."""
+    per_step: list[float] = []
+    originals = {(Trainer, "train_step"): Trainer.train_step, (SingleBackend, "step"): SingleBackend.step}
+
+    def timed(fn, closes_step: bool):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            spent = time.perf_counter() - t0
+            if closes_step:
+                per_step[-1] += spent
+            else:
+                per_step.append(spent)
+            return out
+        return wrapper
+
+    Trainer.train_step = timed(Trainer.train_step, closes_step=False)
+    SingleBackend.step = timed(SingleBackend.step, closes_step=True)
+    try:
+        yield per_step
+    finally:
+        for (cls, name), fn in originals.items():
+            setattr(cls, name, fn)
+
+
+def loop_metrics(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int, repeats: int,
+                 out: Path, data: list[str], device: torch.device) -> dict:
+    """The fastest logged window of `steps` steps of a real train_pretrain.py run, after one warm-up window,
+    with the share of its time spent outside compute."""
     run = f"{preset}-{dtype}-{'compile' if compile_model else 'eager'}"
-    argv = ["--preset", preset, "--dtype", dtype, "--batch_size", str(batch), "--max_seq_len", str(seq),
-            "--max_steps", str(2 * steps), "--log_interval", str(steps), "--eval_interval", "1000000",
+    argv = [*data, "--preset", preset, "--dtype", dtype, "--batch_size", str(batch), "--max_seq_len", str(seq),
+            "--max_steps", str((1 + repeats) * steps), "--log_interval", str(steps), "--eval_interval", "1000000",
             "--save_interval", "1000000", "--out_dir", str(out), "--run_name", run, "--overwrite"]
     if compile_model:
         argv.append("--compile")
-    assert train_pretrain.main(argv) == 0
+    with timing_compute(device) as compute:
+        assert train_pretrain.main(argv) == 0
     records = [json.loads(line) for line in open(out / run / "metrics.jsonl") if '"loss"' in line]
-    return records[-1]
+    assert len(compute) == len(records) * steps, "a step ran without compute: steps and windows misalign"
+    best = min(range(1, len(records)), key=lambda i: records[i]["step_time_s"])
+    window_compute = sum(compute[best * steps:(best + 1) * steps])
+    overhead = 1 - window_compute / (records[best]["step_time_s"] * steps)
+    return {**records[best], "overhead_frac": round(max(0.0, overhead), 4)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,14 +149,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", choices=("off", "on", "both"), default="both")
     p.add_argument("--batch_size", type=int, default=None, help="default: 8 on CPU, 32 on GPU")
     p.add_argument("--max_seq_len", type=int, default=None, help="default: 256 on CPU, 512 on GPU")
-    p.add_argument("--steps", type=int, default=None, help="measured steps (default: 6 on CPU, 30 on GPU)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="measured steps (default: enough to fill --min_seconds, at least 6)")
+    p.add_argument("--min_seconds", type=float, default=3.0, help="default block length when --steps is unset")
+    p.add_argument("--repeats", type=int, default=3, help="measured blocks per setting; the fastest is reported")
+    p.add_argument("--data_path", default=None, help="corpus for the loop run (default: the bundled demo)")
+    p.add_argument("--cache_dir", default=None, help="its token cache (default: beside the corpus)")
     p.add_argument("--out", default=None, help="write the results JSON here")
     args = p.parse_args(argv)
+    data = [f"--{k}={v}" for k in ("data_path", "cache_dir") if (v := getattr(args, k)) is not None]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     batch = args.batch_size or (32 if gpu else 8)
     seq = args.max_seq_len or (512 if gpu else 256)
-    steps = args.steps or (30 if gpu else 6)
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     peak = peak_flops(device)
     results = []
@@ -107,23 +173,24 @@ def main(argv: list[str] | None = None) -> None:
                 for comp in compiles:
                     if gpu:
                         torch.cuda.reset_peak_memory_stats()
-                    bare = bare_step_seconds(preset, dtype, comp, batch, seq, steps, device)
-                    loop = loop_metrics(preset, dtype, comp, batch, seq, steps, Path(tmp))
+                    bare, n = bare_step_seconds(preset, dtype, comp, batch, seq, args.steps, args.min_seconds,
+                                                args.repeats, device)
+                    loop = loop_metrics(preset, dtype, comp, batch, seq, n, args.repeats, Path(tmp), data, device)
                     cfg = get_preset(preset)
                     row = {"preset": preset, "dtype": dtype, "compile": comp, "batch_size": batch, "seq_len": seq,
-                           "bare_step_s": round(bare, 4), "loop_step_s": loop["step_time_s"],
-                           "loop_overhead_frac": round(max(0.0, 1 - bare / loop["step_time_s"]), 4),
+                           "measured_steps": n, "bare_step_s": round(bare, 4), "loop_step_s": loop["step_time_s"],
+                           "loop_overhead_frac": loop["overhead_frac"],
                            "data_wait_frac": loop["data_wait_frac"], "tokens_per_s": loop["tokens_per_s"]}
-                    if peak is not None:
-                        fpt = flops_per_token(cfg.num_parameters(non_embedding=True), cfg.num_hidden_layers,
-                                              cfg.hidden_size, seq)
-                        row["mfu"] = round(fpt * batch * seq / bare / peak, 4)
+                    if peak is not None:  # the loop's own MFU (what training gets) and the bare step's
+                        fpt = flops_per_token(cfg, seq)
+                        row["mfu"] = loop.get("mfu")
+                        row["bare_mfu"] = round(fpt * batch * seq / bare / peak, 4)
                     row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if gpu else \
                         round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
                     results.append(row)
                     print(json.dumps(row), flush=True)
-    report = {"device": torch.cuda.get_device_name() if gpu else "cpu", "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "results": results}
+    report = {"device": torch.cuda.get_device_name() if gpu else f"cpu: {cpu_model()}",
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

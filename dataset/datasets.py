@@ -71,6 +71,10 @@ class PretrainDataset(GlobalOrder):
     def epoch_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
+    def input_tokens(self, indices: np.ndarray) -> int:
+        """Non-padding input positions of batch(indices): windows are never padded."""
+        return len(indices) * self.max_seq_len
+
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         # Window i covers tokens [i*L, i*L + L]: its last token is the next window's first input, so every
         # token of the stream is a target exactly once per epoch.
@@ -120,6 +124,10 @@ class SFTDataset(GlobalOrder):
             group = group[np.argsort(-self.lengths[group], kind="stable")]
             batches.extend(group[i:i + self.batch_size] for i in range(0, len(group), self.batch_size))
         return np.concatenate([batches[i] for i in rng.permutation(len(batches))])
+
+    def input_tokens(self, indices: np.ndarray) -> int:
+        """Non-padding input positions of batch(indices): each conversation but its last token."""
+        return int((self.lengths[indices] - 1).sum())
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = self.lengths[indices]

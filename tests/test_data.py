@@ -267,3 +267,23 @@ def test_sft_fewer_conversations_than_a_batch(tmp_path, tokenizer):
                     overlong="truncate", log=str)
     ds = SFTDataset(cache, batch_size=4)
     assert len(ds) == 4 and sorted(ds.epoch_order(0)) == [0, 0, 0, 0]
+
+
+def test_feeder_counts_real_inputs_so_padding_cannot_inflate_throughput(corpus, tokenizer):
+    """tokens/s and MFU are computed from the feeder's non-padding input count; targets are counted apart."""
+    from trainer_utils.data import StepFeeder
+    sft = prepare(corpus["sft"], tokenizer, "sft", num_workers=0, cache_dir=corpus["cache"], max_seq_len=128,
+                  overlong="truncate", log=str)
+    pre = prepare(corpus["pretrain"], tokenizer, num_workers=0, cache_dir=corpus["cache"], log=str)
+    for ds in (SFTDataset(sft, batch_size=4, pad_id=tokenizer.pad_id), PretrainDataset(pre, "train", 32)):
+        feeder = StepFeeder(ds, batch_size=4, accumulation_steps=2, rank=0, world_size=1, cursor=8,
+                            device=torch.device("cpu"))
+        try:
+            micro, n_valid, n_input = feeder.next_step()
+        finally:
+            feeder.close()
+        # conversations never contain <|endoftext|> (the pad); pretraining windows hold it as a real token
+        real = sum(int((x != tokenizer.pad_id).sum()) for x, _ in micro) if isinstance(ds, SFTDataset) else \
+            sum(x.numel() for x, _ in micro)
+        assert n_input == real <= sum(x.numel() for x, _ in micro)
+        assert n_valid == sum(int((y != IGNORE_INDEX).sum()) for _, y in micro) <= n_input

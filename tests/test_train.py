@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli_flags, demo_records, write_jsonl
+from conftest import ROOT, cli_flags, demo_records, tiny_config, write_jsonl
 
 import train_full_sft
 import train_pretrain
-from model import load_model
+from model import PocketLM, load_model
 from trainer_utils import checkpoint as ckpt_mod
 from trainer_utils import loop as loop_mod
 from trainer_utils.args import build_parser
+from trainer_utils.metrics import flops_per_token, peak_flops
 from trainer_utils.optim import WarmupCosine
 
 TEXTS = [r["text"] for r in demo_records("pretrain_demo.jsonl", 40)]
@@ -215,6 +216,33 @@ def test_wandb_offline_and_tensorboard_logging(corpus, tmp_path, monkeypatch):
     record = metrics(run)[0]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "data_wait_frac", "peak_rss_gb"} <= set(record)
     assert "mfu" not in record  # no known peak FLOPs on CPU: omitted, not 0
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}, {"tie_word_embeddings": False},
+                                       {"style": "gpt2"}])
+def test_mfu_flop_model_matches_counted_flops(overrides):
+    """flops_per_token (the MFU numerator) against PyTorch's own count of one forward + backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = tiny_config(**overrides)
+    model = PocketLM(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 64))
+    # the math backend runs attention as counted matmuls; the CPU flash kernel is invisible to the counter
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x).float().sum().backward()
+    # the model counts norm weights and biases as matmul weights: a <2% overestimate at d64, less when larger
+    assert counter.get_total_flops() == pytest.approx(flops_per_token(cfg, 64) * x.numel(), rel=0.02)
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10G", 70e12),
+                                       ("NVIDIA A10", 125e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12),
+                                       ("NVIDIA GeForce RTX 4070 Ti", 80e12), ("NVIDIA GeForce RTX 4070", 58e12),
+                                       ("Some Future GPU", None)])
+def test_peak_flops_lookup_prefers_the_most_specific_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0)) == peak
+    assert peak_flops(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("flag", ["grad_checkpointing", "compile"])

@@ -29,16 +29,19 @@ class StepFeeder:
         self._thread = threading.Thread(target=self._produce, args=(cursor,), daemon=True)
         self._thread.start()
 
-    def _read(self, start: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-        out, n_valid = [], 0
+    def _read(self, start: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
+        out, n_valid, n_input = [], 0, 0
         for m in range(self.accum):
             first = start + (m * self.world_size + self.rank) * self.batch_size
-            x, y = self.dataset.batch(self.dataset.global_indices(first, self.batch_size))
-            n_valid += int((y != IGNORE_INDEX).sum())  # counted here, on the host: no device sync later
+            indices = self.dataset.global_indices(first, self.batch_size)
+            x, y = self.dataset.batch(indices)
+            # counted here, on the host: no device sync later
+            n_valid += int((y != IGNORE_INDEX).sum())
+            n_input += self.dataset.input_tokens(indices)
             if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
                 x, y = x.pin_memory(), y.pin_memory()
             out.append((x, y))
-        return out, n_valid
+        return out, n_valid, n_input
 
     def _produce(self, start: int) -> None:
         try:
@@ -54,14 +57,15 @@ class StepFeeder:
         except BaseException as e:  # surface data errors in the training thread
             self._queue.put(e)
 
-    def next_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-        """This rank's micro-batches for the next step, and how many valid targets they hold."""
+    def next_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
+        """This rank's micro-batches for the next step, their valid targets and their non-padding inputs."""
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        micro, n_valid = item
+        micro, n_valid, n_input = item
         self.cursor += self.samples_per_step
-        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in micro], n_valid
+        micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in micro]
+        return micro, n_valid, n_input
 
     def close(self) -> None:
         self._stop.set()

@@ -144,8 +144,7 @@ class Trainer:
         if s.resume_from is not None:  # after wrap: a DeepSpeed engine restores into itself
             self._restore(s.resume_from)
         cfg = self.model.config
-        self.flops_per_token = flops_per_token(cfg.num_parameters(non_embedding=True), cfg.num_hidden_layers,
-                                               cfg.hidden_size, s.max_seq_len)
+        self.flops_per_token = flops_per_token(cfg, s.max_seq_len)
         self.peak = peak_flops(self.device)
         self.resolved = {"stage": s.stage, "run_dir": str(s.run_dir), "device": str(self.device),
                          "dtype": str(self.precision.dtype).removeprefix("torch."), "world_size": world,
@@ -268,7 +267,7 @@ class Trainer:
                             stop.received = stop.received or "stop signal on another rank"
                             break
                     t_wait = time.perf_counter()
-                    micro, local = feeder.next_step()
+                    micro, local, n_input = feeder.next_step()
                     window["wait"] += time.perf_counter() - t_wait
                     if backend.world_size == 1 and local == 0:  # no target in the whole step: nothing to learn
                         n_local = n_valid = loss_sum = grad_norm = zero()
@@ -295,7 +294,7 @@ class Trainer:
                     c["skipped"] += 1 - ok
                     c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
                     c["grad_norm"] = grad_norm.double()
-                    window["tokens"] += sum(x.numel() for x, _ in micro) * backend.world_size
+                    window["tokens"] += n_input
                     window["steps"] += 1
                     if self.step % a.log_interval == 0 or self.step == self.total_steps:
                         self._log(logger, window)
@@ -337,16 +336,17 @@ class Trainer:
 
     def _log(self, logger: MetricsLogger, w: dict[str, Any]) -> None:
         elapsed = time.perf_counter() - w["t0"]
-        # token-weighted loss over all ranks: the one host sync per log interval
-        loss_sum, valid = self.backend.all_reduce_sum(torch.stack([w["loss"], w["valid"]])).tolist()
+        # token-weighted loss and non-padding inputs over all ranks: the one host sync per log interval
+        tokens = torch.tensor(float(w["tokens"]), device=self.device, dtype=torch.float64)
+        loss_sum, valid, tokens = self.backend.all_reduce_sum(torch.stack([w["loss"], w["valid"], tokens])).tolist()
         self._sync_counters()
         record = {"step": self.step, "loss": round(loss_sum / max(valid, 1), 6), "lr": self.scheduler.lr,
-                  "grad_norm": round(float(self.counters["grad_norm"]), 4), "tokens_per_s": round(valid / elapsed),
+                  "grad_norm": round(float(self.counters["grad_norm"]), 4), "tokens_per_s": round(tokens / elapsed),
                   "step_time_s": round(elapsed / max(w["steps"], 1), 4),
                   "data_wait_frac": round(w["wait"] / elapsed, 4), "tokens_seen": self.tokens_seen,
                   "skipped_steps": self.skipped}
         if self.peak is not None:
-            record["mfu"] = round(self.flops_per_token * w["tokens"] / elapsed / (self.peak * self.backend.world_size), 4)
+            record["mfu"] = round(self.flops_per_token * tokens / elapsed / (self.peak * self.backend.world_size), 4)
         if self.device.type == "cuda":
             record["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
         else:

@@ -1,0 +1,84 @@
+"""Benchmark scripts: each runs end to end on tiny settings and writes well-formed results, and
+bench/gpu_check.sh fails cleanly (a summary, no traceback, no hang) on a machine without a GPU."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import ROOT
+
+
+def bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_train_measures_bare_step_and_loop(corpus, tmp_path):
+    out = tmp_path / "train.json"
+    bench_module("bench_train").main(
+        ["--presets", "tiny", "--dtypes", "float32", "--compile", "off", "--steps", "3", "--batch_size", "2",
+         "--max_seq_len", "32", "--data_path", str(corpus["pretrain"]), "--cache_dir", str(corpus["cache"]),
+         "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["device"].startswith("cpu") and report["torch"] == torch.__version__
+    [row] = report["results"]
+    assert (row["preset"], row["dtype"], row["compile"], row["measured_steps"]) == ("tiny", "float32", False, 3)
+    assert row["bare_step_s"] > 0 and row["loop_step_s"] > 0 and 0 <= row["loop_overhead_frac"] < 1
+    assert row["tokens_per_s"] > 0 and 0 <= row["data_wait_frac"] < 1 and row["peak_mem_gb"] > 0
+    assert "mfu" not in row  # no known peak on CPU
+
+
+def test_bench_generate_checks_identical_outputs_then_times(tmp_path):
+    pytest.importorskip("transformers")
+    result = bench_module("bench_generate").run("tiny", prompt_len=8, new_tokens=6, batch=2, repeats=1,
+                                                device="cpu")
+    for key in ("kv_cache_tokens_per_s", "no_cache_tokens_per_s", "transformers_tokens_per_s"):
+        assert result[key] > 0
+    assert result["kv_cache_vs_transformers"] > 0
+
+
+def test_bench_data_reports_prepare_and_padding(corpus, tmp_path):
+    out = tmp_path / "data.json"
+    bench_module("bench_data").main(["--data_path", str(corpus["pretrain"]), "--sft_path", str(corpus["sft"]),
+                                     "--num_workers", "0", "--max_seq_len", "64", "--batch_size", "2",
+                                     "--out", str(out)])
+    report = json.loads(out.read_text())
+    [prep] = report["prepare"].values()
+    [sft] = report["sft"].values()
+    assert prep and sft["conversations"] > 0
+    assert all(0 <= sft[f"padding_fraction_bs{b}"] < 1 for b in (8, 16, 32))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs its real checks")
+def test_gpu_check_without_a_gpu_fails_fast_with_a_summary(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": "python3"}
+    proc = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout.split("GPU check summary")[1]
+    assert proc.stdout.rstrip().endswith("FAIL")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] is False
+    results = {c["check"]: c["result"] for c in summary["checks"]}
+    assert results["environment"].startswith("FAIL")
+    assert set(results) == {"environment", "cuda_tests", "sdpa_backend", "throughput", "generation"}
+    assert all(r.startswith("SKIPPED (no usable CUDA environment)") for name, r in results.items()
+               if name != "environment")
+    assert "CUDA is not available" in (tmp_path / "gpu_check.log").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log", "summary.json"]
+
+
+def test_gpu_check_time_budget_skips_what_does_not_fit(tmp_path):
+    """A budget already spent skips every check instead of overrunning the promised time."""
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_BUDGET_S": "0"}
+    proc = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert all(c["result"].startswith("SKIPPED (time budget of 0s spent)") for c in summary["checks"])
