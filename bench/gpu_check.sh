@@ -47,8 +47,10 @@ check() {  # check NAME LIMIT_S COMMAND... : run within the remaining budget, lo
 check environment 60 "$PY" - <<'PY' || ABORT="no usable CUDA environment"
 import importlib.util, torch
 missing = [m for m in ("numpy", "tokenizers", "safetensors", "tqdm", "pytest") if importlib.util.find_spec(m) is None]
-assert not missing, f"missing Python packages: {missing}"
-assert torch.cuda.is_available(), f"CUDA is not available to PyTorch {torch.__version__}"
+if missing:
+    raise SystemExit(f"missing Python packages: {missing}")
+if not torch.cuda.is_available():
+    raise SystemExit(f"CUDA is not available to PyTorch {torch.__version__}")
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(),
       "bf16", torch.cuda.is_bf16_supported(), "transformers",
       "yes" if importlib.util.find_spec("transformers") else "no (generation check skips the comparison)")
@@ -67,10 +69,11 @@ for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBacke
             model(x)
         chosen = backend.name
         break
-    except RuntimeError:
-        continue
+    except RuntimeError as e:  # say why a faster backend could not serve it
+        print(f"{backend.name} not usable: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 print("first SDPA backend that serves the training path:", chosen)
-assert chosen == "FLASH_ATTENTION", f"expected flash attention, got {chosen}"
+if chosen != "FLASH_ATTENTION":
+    raise SystemExit(f"expected flash attention, got {chosen}")
 PY
 check throughput 240 "$PY" bench/bench_train.py --presets minimind-26m minimind-104m --dtypes bfloat16 \
     --compile off --min_seconds 3 --out "$OUT_DIR/throughput.json"
