@@ -5,6 +5,7 @@ bench/gpu_check.sh runs these on a GPU machine; the CPU suite covers the same lo
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -24,7 +25,8 @@ def _train(tmp_path, *extra: str) -> list[dict]:
     import train_pretrain
     argv = ["--preset", "tiny", "--max_steps", "6", "--batch_size", "8", "--log_interval", "1",
             "--eval_interval", "3", "--save_interval", "3", "--out_dir", str(tmp_path), "--run_name", "r",
-            "--data_path", str(ROOT / "dataset/demo/pretrain_demo.jsonl"), "--device", "cuda", *extra]
+            "--data_path", str(ROOT / "dataset/demo/pretrain_demo.jsonl"), "--device", "cuda",
+            "--learning_rate", "3e-3", "--warmup_steps", "1", *extra]  # moves the loss clearly within 6 steps
     assert train_pretrain.main(argv) == 0
     return [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
 
@@ -33,7 +35,7 @@ def _train(tmp_path, *extra: str) -> list[dict]:
 def test_training_steps_in_reduced_precision(tmp_path, dtype):
     records = _train(tmp_path, "--dtype", dtype)
     losses = [r["loss"] for r in records if "loss" in r]
-    assert all(l == l for l in losses) and losses[-1] < losses[0]
+    assert all(math.isfinite(l) for l in losses) and losses[-1] < losses[0] - 0.05, losses
     assert all("peak_mem_gb" in r for r in records if "loss" in r)
     if dtype == "float16":
         state = torch.load(tmp_path / "r/checkpoints/step_00000006/training_state.pt", weights_only=True)
