@@ -14,6 +14,7 @@ OUT_DIR=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
 : > "$LOG"
+rm -f "$OUT_DIR"/{summary,throughput,generation}.json  # never report a previous run's numbers
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
@@ -81,36 +82,7 @@ check generation 90 "$PY" bench/bench_generate.py --preset minimind-26m --new_to
     --out "$OUT_DIR/generation.json"
 
 # The summary: each check's result and time, then the headline numbers, also as summary.json.
-"$PY" - "$OUT_DIR" "$BUDGET_S" "${NAMES[@]}" -- "${RESULTS[@]}" -- "${SECONDS_TAKEN[@]}" <<'PY'
-import json, sys, time
-from pathlib import Path
-out, budget, rest = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-first = rest.index("--"); second = rest.index("--", first + 1)
-names, results, seconds = rest[:first], rest[first + 1:second], [int(s) for s in rest[second + 1:]]
-checks = [{"check": n, "result": r, "seconds": s} for n, r, s in zip(names, results, seconds)]
-passed = all(c["result"] == "PASS" for c in checks)
-print(f"\nGPU check summary ({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, "
-      f"{sum(seconds)} s of a {budget} s budget); results in {out}")
-for c in checks:
-    print(f"  {c['check']:<14} {c['result']}  ({c['seconds']} s)")
-summary = {"passed": passed, "checks": checks}
-for name in ("throughput", "generation"):
-    path = out / f"{name}.json"
-    if path.exists():
-        summary[name] = json.loads(path.read_text())
-for row in summary.get("throughput", {}).get("results", []):
-    mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"
-    print(f"  {row['preset']:<14} {row['dtype']} batch {row['batch_size']}x{row['seq_len']}: "
-          f"{row['tokens_per_s']:,} tokens/s, MFU {mfu}, step {row['loop_step_s']} s, "
-          f"loop overhead {row['loop_overhead_frac']:.1%}, peak {row['peak_mem_gb']} GB")
-gen = summary.get("generation", {})
-if gen:
-    print(f"  generation     KV cache {gen['kv_cache_tokens_per_s']} tokens/s, no cache {gen['no_cache_tokens_per_s']}, "
-          f"transformers {gen.get('transformers_tokens_per_s', gen.get('transformers'))}")
-(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-print("PASS" if passed else "FAIL")
-sys.exit(0 if passed else 1)
-PY
+"$PY" bench/gpu_check_summary.py "$OUT_DIR" "$BUDGET_S" "${NAMES[@]}" -- "${RESULTS[@]}" -- "${SECONDS_TAKEN[@]}"
 rc=$?
 if ((rc > 1)); then  # the summary itself could not run (no usable Python): report in plain shell
   for i in "${!NAMES[@]}"; do printf '  %-14s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done

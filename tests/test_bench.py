@@ -19,13 +19,21 @@ def bench_module(name: str):
     return module
 
 
-def test_bench_train_measures_bare_step_and_loop(corpus, tmp_path):
-    out = tmp_path / "train.json"
+@pytest.fixture(scope="module")
+def bench_out(corpus, tmp_path_factory):
+    """throughput.json and generation.json from real (tiny) runs, named as gpu_check.sh names them."""
+    out = tmp_path_factory.mktemp("bench")
     bench_module("bench_train").main(
         ["--presets", "tiny", "--dtypes", "float32", "--compile", "off", "--steps", "3", "--batch_size", "2",
          "--max_seq_len", "32", "--data_path", str(corpus["pretrain"]), "--cache_dir", str(corpus["cache"]),
-         "--out", str(out)])
-    report = json.loads(out.read_text())
+         "--out", str(out / "throughput.json")])
+    bench_module("bench_generate").main(["--preset", "tiny", "--prompt_len", "8", "--new_tokens", "6", "--batch", "2",
+                                         "--repeats", "1", "--device", "cpu", "--out", str(out / "generation.json")])
+    return out
+
+
+def test_bench_train_measures_bare_step_and_loop(bench_out):
+    report = json.loads((bench_out / "throughput.json").read_text())
     assert report["device"].startswith("cpu") and report["torch"] == torch.__version__
     [row] = report["results"]
     assert (row["preset"], row["dtype"], row["compile"], row["measured_steps"]) == ("tiny", "float32", False, 3)
@@ -34,13 +42,28 @@ def test_bench_train_measures_bare_step_and_loop(corpus, tmp_path):
     assert "mfu" not in row  # no known peak on CPU
 
 
-def test_bench_generate_checks_identical_outputs_then_times(tmp_path):
-    pytest.importorskip("transformers")
-    result = bench_module("bench_generate").run("tiny", prompt_len=8, new_tokens=6, batch=2, repeats=1,
-                                                device="cpu")
-    for key in ("kv_cache_tokens_per_s", "no_cache_tokens_per_s", "transformers_tokens_per_s"):
-        assert result[key] > 0
-    assert result["kv_cache_vs_transformers"] > 0
+def test_bench_generate_checks_identical_outputs_then_times(bench_out):
+    result = json.loads((bench_out / "generation.json").read_text())
+    assert (result["preset"], result["batch"], result["new_tokens"]) == ("tiny", 2, 6)
+    assert result["kv_cache_tokens_per_s"] > 0 and result["no_cache_tokens_per_s"] > 0
+    if "transformers_tokens_per_s" in result:  # the dev requirements install transformers
+        assert result["kv_cache_vs_transformers"] > 0
+
+
+def test_gpu_check_summary_reads_the_bench_outputs(bench_out, capsys):
+    """The summary formats what the bench scripts really write (an MFU added as a GPU run would have it)."""
+    summarize = bench_module("gpu_check_summary").summarize
+    report = json.loads((bench_out / "throughput.json").read_text())
+    report["results"][0]["mfu"] = 0.4123
+    (bench_out / "throughput.json").write_text(json.dumps(report))
+    names = ["environment", "cuda_tests", "sdpa_backend", "throughput", "generation"]
+    summary = summarize(bench_out, 470, names, ["PASS"] * 5, [1, 2, 3, 4, 5])
+    printed = capsys.readouterr().out
+    assert summary["passed"] and printed.rstrip().endswith("PASS") and "15 s of a 470 s budget" in printed
+    assert "tokens/s, MFU 41.2%" in printed and "KV cache" in printed
+    assert json.loads((bench_out / "summary.json").read_text())["throughput"]["results"][0]["mfu"] == 0.4123
+    assert not summarize(bench_out, 470, names, ["PASS"] * 4 + ["FAIL (exit 1)"], [1] * 5)["passed"]
+    assert not summarize(bench_out, 470, [], [], [])["passed"]  # nothing checked is not a pass
 
 
 def test_bench_data_reports_prepare_and_padding(corpus, tmp_path):
@@ -57,6 +80,7 @@ def test_bench_data_reports_prepare_and_padding(corpus, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs its real checks")
 def test_gpu_check_without_a_gpu_fails_fast_with_a_summary(tmp_path):
+    (tmp_path / "throughput.json").write_text('{"results": []}')  # a previous run's: must not be reported
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": "python3"}
     proc = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh")], env=env, capture_output=True, text=True,
                           timeout=120)
@@ -71,6 +95,7 @@ def test_gpu_check_without_a_gpu_fails_fast_with_a_summary(tmp_path):
     assert all(r.startswith("SKIPPED (no usable CUDA environment)") for name, r in results.items()
                if name != "environment")
     assert "CUDA is not available" in (tmp_path / "gpu_check.log").read_text()
+    assert "throughput" not in summary
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log", "summary.json"]
 
 
