@@ -218,6 +218,26 @@ def test_wandb_offline_and_tensorboard_logging(corpus, tmp_path, monkeypatch):
     assert "mfu" not in record  # no known peak FLOPs on CPU: omitted, not 0
 
 
+def test_out_of_memory_stops_with_advice_and_keeps_the_last_checkpoint(corpus, tmp_path, monkeypatch):
+    """The CUDA OOM path, exercised on CPU: a clear message naming the knobs, no traceback, checkpoint intact."""
+    assert train_pretrain.main(flags(corpus, tmp_path, max_steps=4)) == 0
+    original = loop_mod.Trainer.train_step
+
+    def fail_at_step_6(self, micro, n_valid):
+        if self.step == 5:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, micro, n_valid)
+
+    monkeypatch.setattr(loop_mod.Trainer, "train_step", fail_at_step_6)
+    with pytest.raises(SystemExit) as stop:
+        train_pretrain.main(flags(corpus, tmp_path, max_steps=8, resume=True))
+    message = str(stop.value)
+    assert message.startswith("error: out of GPU memory") and "--batch_size" in message
+    assert "--grad_checkpointing" in message and "--max_seq_len" in message
+    assert (tmp_path / "run/latest").read_text().strip().endswith("step_00000004")
+    assert load_model(tmp_path / "run")[0].config.num_hidden_layers == 2  # the checkpoint still loads
+
+
 @pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}, {"tie_word_embeddings": False},
                                        {"style": "gpt2"}])
 def test_mfu_flop_model_matches_counted_flops(overrides):
