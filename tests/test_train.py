@@ -297,3 +297,26 @@ def test_non_finite_steps_are_skipped_then_training_stops(corpus, tmp_path, monk
     assert not (tmp_path / "run" / "latest").exists()  # nothing saved from the broken run
     adam_steps = [float(state["step"]) for state in trainer.optimizer.state.values() if "step" in state]
     assert all(n == 0 for n in adam_steps)  # Adam's bias-correction clock did not advance either
+
+
+@pytest.mark.parametrize("has_bf16,has_cpu_bf16", [(True, False), (False, True)])
+def test_precision_choice_per_device(monkeypatch, has_bf16, has_cpu_bf16):
+    """--dtype auto: bf16 on GPUs that have it, else fp16 + loss scaling; on CPU bf16 only with hardware bf16.
+    An explicit bf16 request on a GPU without it stops with advice instead of failing inside a kernel."""
+    from trainer_utils import runtime
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: has_bf16)
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: has_cpu_bf16)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert runtime.resolve_dtype("auto", cuda) == (torch.bfloat16 if has_bf16 else torch.float16)
+    assert runtime.resolve_dtype("auto", cpu) == (torch.bfloat16 if has_cpu_bf16 else torch.float32)
+    assert runtime.resolve_dtype("float16", cuda) == torch.float16
+    if has_bf16:
+        assert runtime.resolve_dtype("bfloat16", cuda) == torch.bfloat16
+    else:
+        with pytest.raises(SystemExit, match="no bf16 support; use --dtype float16"):
+            runtime.resolve_dtype("bfloat16", cuda)
+    with pytest.raises(SystemExit, match="expected auto or one of"):
+        runtime.resolve_dtype("fp8", cpu)
+    # fp16 always gets a GradScaler, other dtypes never do
+    assert runtime.Precision(cpu, torch.float16).scaler.is_enabled()
+    assert not runtime.Precision(cpu, torch.bfloat16).scaler.is_enabled()
