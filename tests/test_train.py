@@ -320,3 +320,17 @@ def test_precision_choice_per_device(monkeypatch, has_bf16, has_cpu_bf16):
     # fp16 always gets a GradScaler, other dtypes never do
     assert runtime.Precision(cpu, torch.float16).scaler.is_enabled()
     assert not runtime.Precision(cpu, torch.bfloat16).scaler.is_enabled()
+
+
+def test_tf32_switch_sets_cuda_matmul_precision_only(monkeypatch):
+    from trainer_utils import runtime
+    matmul = torch.backends.cuda.matmul
+    attr = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    monkeypatch.setattr(matmul, attr, getattr(matmul, attr))  # restored after the test
+    cpu_before = torch.get_float32_matmul_precision()
+    runtime.set_cuda_tf32(True)
+    assert getattr(matmul, attr) in ("tf32", True)
+    runtime.set_cuda_tf32(False)
+    assert getattr(matmul, attr) in ("ieee", False)
+    assert torch.get_float32_matmul_precision() == cpu_before
+    assert build_parser("pretrain", "").parse_args(["--no-tf32"]).tf32 is False

@@ -61,6 +61,8 @@ def build_parser(stage: str, description: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("precision and devices")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                   help="TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (--no-tf32: strict fp32)")
     g.add_argument("--deepspeed", default=None, help="DeepSpeed config JSON (e.g. launch/ds_zero2.json)")
     # The deepspeed launcher appends --local_rank=N; the same value is in $LOCAL_RANK, which is what we read.
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

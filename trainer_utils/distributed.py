@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import Backend, SingleBackend
-from .runtime import Precision, resolve_device, resolve_dtype
+from .runtime import Precision, resolve_device, resolve_dtype, set_cuda_tf32
 
 
 @dataclass
@@ -193,6 +193,8 @@ def make_backend(args: Any) -> Backend:
     """The backend for this process, chosen from the flags and the launcher's environment."""
     env = detect_env()
     device = _device_for(env, args.device)
+    if device.type == "cuda":
+        set_cuda_tf32(args.tf32)
     precision = Precision(device, resolve_dtype(args.dtype, device))
     if args.deepspeed:
         return DeepSpeedBackend(env, device, precision, args.dist_timeout, args)

@@ -51,6 +51,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def set_cuda_tf32(enabled: bool) -> None:
+    """Let fp32 matmuls on Ampere and newer GPUs use TF32 tensor cores (inputs rounded to a 10-bit mantissa,
+    fp32 accumulation): several times faster for --dtype float32, no effect on bf16/fp16 autocast matmuls.
+    CUDA matmuls only; CPU numerics are left alone."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # PyTorch >= 2.9; the allow_tf32 flag is being retired
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        matmul.allow_tf32 = enabled
+
+
 @dataclass
 class Precision:
     """Mixed-precision policy: fp32 master weights, autocast to `dtype`, loss scaling for fp16."""
