@@ -2,7 +2,7 @@
 # One-shot GPU check for a single-GPU Linux machine with PyTorch + CUDA installed and no network.
 # Ends with a PASS/FAIL summary within a fixed time budget (GPU_CHECK_BUDGET_S, default 470 s < 8 minutes):
 #   1. environment: CUDA visible to PyTorch, bf16 support, the Python packages the repo needs
-#   2. the CUDA-marked tests (bf16 and fp16+GradScaler training, flash attention, fused AdamW, KV cache, compile)
+#   2. the CUDA-marked tests (bf16, fp16+GradScaler and fp32/TF32 training, flash attention, fused AdamW, KV cache, compile)
 #   3. which SDPA backend serves the training attention (flash expected)
 #   4. throughput of the 26M and 104M presets (tokens/s, MFU, peak memory)
 #   5. a short generation benchmark (KV cache vs none vs transformers, when installed)
