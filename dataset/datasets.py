@@ -5,6 +5,7 @@ Both expose the same small interface the training loop needs:
     ds.num_examples         distinct examples (evaluation walks indices 0 .. num_examples-1 in order)
     ds.global_indices(g, n) the samples at global positions g .. g+n-1 of the seeded, epoch-by-epoch order
     ds.batch(indices)       (inputs, targets) LongTensors; targets are -100 where there is nothing to learn
+    ds.input_tokens(indices) how many input positions of that batch are not padding (for tokens/s and MFU)
 A position g in the global order is world-size independent, so a resume (on any number of ranks) jumps
 straight to sample g: each epoch's order is a seeded permutation computed on demand, never replayed.
 """
