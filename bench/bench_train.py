@@ -56,6 +56,7 @@ def reset_peak_rss() -> None:
 
 
 def peak_rss_gb() -> float:
+    """Peak resident memory of this process since the last reset, in GiB."""
     try:
         kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
