@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .jsonl import DEFAULT_MAX_LINE_BYTES, DataError, SkipReport, check_path, iter_raw_lines, parse_line
+from .jsonl import (DEFAULT_MAX_LINE_BYTES, DataError, SkipReport, check_path, iter_raw_lines, parse_line,
+                    write_atomic)
 from .tokenizer import Tokenizer
 
 CACHE_VERSION = 1
@@ -225,9 +226,7 @@ def _load_if_valid(final: Path, source: Path, tokenizer: Tokenizer) -> TokenCach
         if file_sha256(source) != meta["source"]["sha256"]:
             return None
         meta["source"]["mtime_ns"] = now["mtime_ns"]
-        tmp = meta_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, meta_file)
+        write_atomic(meta_file, json.dumps(meta, indent=2))
     return TokenCache(final, meta)
 
 
@@ -297,9 +296,7 @@ def _build(source: Path, tokenizer: Tokenizer, kind: str, settings: dict[str, An
 
         def consume(enc: Encoded, nbytes: int) -> None:
             for lineno, reason in enc.errors:
-                if not skip_bad_lines:
-                    raise DataError(f"{source}:{lineno}: {reason} (use --skip_bad_lines to skip such lines)")
-                report.add(reason.split(" (")[0], f"{source.name}:{lineno}")
+                report.reject(source, lineno, reason, skip_bad_lines)
             for k, v in enc.stats.items():
                 stats[k] = stats.get(k, 0) + v
             is_val = in_validation(enc.linenos, settings["val_fraction"], settings["seed"])

@@ -28,10 +28,8 @@ import hashlib
 import html
 import html.entities
 import json
-import os
 import re
 import sys
-import tempfile
 import time
 import unicodedata
 from collections import Counter
@@ -42,7 +40,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
-from dataset.jsonl import DataError, SkipReport, check_path, iter_raw_lines, parse_line, read_records
+from dataset.jsonl import (DataError, SkipReport, check_path, iter_raw_lines, parse_line, read_records,
+                           write_atomic)
 
 STEPS = ("html_tags", "html_entities", "unicode", "control_chars", "whitespace")
 DROP_REASONS = ("bad_line", "empty_after_cleaning", "too_short", "too_long", "exact_duplicate", "near_duplicate")
@@ -472,26 +471,6 @@ def _dump(record: dict[str, Any]) -> bytes:
         return (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")
 
 
-def _write_atomic(path: Path, lines: Iterable[bytes]) -> None:
-    """Write lines to a temporary file next to `path`, then rename it over `path`: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for line in lines:
-                f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates the file 0600; give it the permissions a plain open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def clean_file(data_path: str | Path, out: str | Path, kind: str = "auto", skip_bad_lines: bool = False,
                opts: CleanOptions | None = None, near_dedup: bool = True, shingle_size: int = 5,
                num_perm: int = 128, threshold: float = 0.8, seed: int = 1, min_chars: int = 1,
@@ -517,7 +496,7 @@ def clean_file(data_path: str | Path, out: str | Path, kind: str = "auto", skip_
                 last = now
                 print(f"... {stats.records:,} records, kept {stats.kept:,} ({now - start:.0f} s)", file=sys.stderr)
 
-    _write_atomic(out, lines())
+    write_atomic(out, lines())
     elapsed = time.perf_counter() - start
     dropped = {r: stats.dropped.get(r, 0) for r in DROP_REASONS}
     dropped["bad_line"] = skips.total
@@ -546,7 +525,7 @@ def clean_file(data_path: str | Path, out: str | Path, kind: str = "auto", skip_
     }
     if near_dedup:
         report["options"]["lsh_bands_rows"] = [deduper._lsh.b, deduper._lsh.r]
-    _write_atomic(report_path(out), [(json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode("utf-8")])
+    write_atomic(report_path(out), json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return report
 
 

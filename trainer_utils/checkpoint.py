@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dataset.jsonl import write_atomic
 from model.inference import TRAIN_INFO_NAME
 from model.loading import LATEST_NAME, save_model
 
@@ -37,15 +38,6 @@ def _fsync_tree(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:
