@@ -52,6 +52,16 @@ def file_sha256(path: Path, block: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: 2**64 / golden ratio
+
+
+def splitmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over a uint64 array (wrapping arithmetic): a cheap, well-mixed 64-bit hash."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 def in_validation(linenos: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     """Deterministic per-document split: a splitmix64 hash of (seed, line number) against the fraction.
 
@@ -60,10 +70,7 @@ def in_validation(linenos: np.ndarray, fraction: float, seed: int) -> np.ndarray
     if fraction <= 0:
         return np.zeros(len(linenos), dtype=bool)
     with np.errstate(over="ignore"):
-        z = linenos.astype(np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
+        z = splitmix64(linenos.astype(np.uint64) + np.uint64(seed) * GOLDEN_GAMMA)
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
 
 

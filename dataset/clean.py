@@ -40,6 +40,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
+from dataset.cache import GOLDEN_GAMMA, splitmix64
 from dataset.jsonl import (DataError, SkipReport, check_path, iter_raw_lines, parse_line, read_records,
                            write_atomic)
 
@@ -295,8 +296,6 @@ def dedup_texts(record: dict[str, Any]) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------- dedup
-_POLY = np.uint64(0x9E3779B97F4A7C15)
-
 
 def shingle_hashes(text: str, shingle_size: int = 5) -> np.ndarray:
     """Sorted unique 32-bit hashes of the text's overlapping character n-grams (the whole text if shorter).
@@ -311,13 +310,8 @@ def shingle_hashes(text: str, shingle_size: int = 5) -> np.ndarray:
     m = cps.size - k + 1
     h = np.zeros(m, dtype=np.uint64)
     for j in range(k):  # uint64 arithmetic wraps, i.e. works modulo 2**64
-        h = h * _POLY + cps[j:j + m]
-    h ^= h >> np.uint64(30)
-    h *= np.uint64(0xBF58476D1CE4E5B9)
-    h ^= h >> np.uint64(27)
-    h *= np.uint64(0x94D049BB133111EB)
-    h ^= h >> np.uint64(31)
-    return np.unique((h >> np.uint64(32)).astype(np.uint32))
+        h = h * GOLDEN_GAMMA + cps[j:j + m]
+    return np.unique((splitmix64(h) >> np.uint64(32)).astype(np.uint32))
 
 
 def _fmix32(h: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from typing import Any, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dataset.cache import file_sha256  # noqa: E402
 from dataset.jsonl import DataError, SkipReport, check_path, read_records  # noqa: E402
 from dataset.tokenizer import (  # noqa: E402
     DEFAULT_TOKENIZER_DIR, SPECIAL_TOKENS, Tokenizer, TokenizerError, save_tokenizer, train_bpe,
@@ -106,14 +107,6 @@ def measure(tok: Tokenizer, records: Iterator[dict[str, Any]], batch_size: int =
     return result
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def check_tokenizer(tok: Tokenizer, vocab_size: int) -> None:
     """The invariants the rest of PocketLM relies on; raise TokenizerError if one fails."""
     if tok.vocab_size != vocab_size:
@@ -182,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer_sha256": tok.sha256,
         "vocab_size": tok.vocab_size,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
-        "corpus": {"file": Path(args.data_path).name, "bytes": data.stat().st_size, "sha256": sha256_file(data),
+        "corpus": {"file": Path(args.data_path).name, "bytes": data.stat().st_size, "sha256": file_sha256(data),
                    "skipped_lines": train_report.total},
         "split": {"method": "sha1(utf-8 text) first 8 bytes as big-endian int < heldout_percent/100 * 2**64",
                   "heldout_percent": args.heldout_percent,
