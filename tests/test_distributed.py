@@ -144,3 +144,23 @@ def test_existing_run_stops_every_rank_at_once(corpus, tmp_path):
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and res.stderr.count("already holds a run") == 2  # both ranks, no hang
     assert time.time() - t0 < 60
+
+
+def test_srun_tasks_get_the_launchers_rendezvous(monkeypatch):
+    """A plain `srun python train_pretrain.py` task derives RANK/WORLD_SIZE and the same MASTER_PORT that
+    launch/slurm.py gives its tasks, so both launch paths meet on one port per job."""
+    from launch.slurm import rendezvous_port
+    from trainer_utils.distributed import detect_env
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "unset")  # recorded, so the test restores the environment afterwards
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_JOB_ID", "12345")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    env = detect_env()
+    assert (env.rank, env.local_rank, env.world_size, env.launcher) == (1, 1, 2, "slurm")
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("1", "1", "2")
+    assert os.environ["MASTER_PORT"] == str(rendezvous_port("12345")) == "32345"

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from launch.slurm import rendezvous_port
+
 from .backend import Backend, SingleBackend
 from .runtime import Precision, resolve_device, resolve_dtype, set_cuda_tf32
 
@@ -43,7 +45,7 @@ def detect_env() -> DistEnv:
         env = DistEnv(int(e["SLURM_PROCID"]), int(e.get("SLURM_LOCALID", 0)), int(e["SLURM_NTASKS"]), "slurm")
         # torch.distributed's env:// rendezvous reads these; srun does not set them.
         os.environ.setdefault("MASTER_ADDR", _first_slurm_host())
-        os.environ.setdefault("MASTER_PORT", str(20000 + int(e.get("SLURM_JOB_ID", "0")) % 20000))
+        os.environ.setdefault("MASTER_PORT", str(rendezvous_port(e.get("SLURM_JOB_ID", "0"))))
         os.environ.update(RANK=str(env.rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.world_size))
         return env
     return DistEnv(0, 0, 1, "none")
