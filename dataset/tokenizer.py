@@ -58,6 +58,10 @@ class Tokenizer:
             raise TokenizerError(f"{file}: special tokens {missing} are missing; expected {list(SPECIAL_TOKENS)}")
         self.eot_id, self.im_start_id, self.im_end_id = ids[ENDOFTEXT], ids[IM_START], ids[IM_END]
         self.pad_id = self.eot_id
+        newline = self.encode("\n")
+        if len(newline) != 1:
+            raise TokenizerError(f"{file}: a newline encodes to {len(newline)} tokens; byte-level BPE needs one")
+        self.newline_id = newline[0]  # ends every chat turn
 
     # ------------------------------------------------------------------ plain text
     def encode(self, text: str) -> list[int]:
@@ -101,7 +105,7 @@ class Tokenizer:
             labelled.append(False)
             ids.extend(enc.ids)
             labelled.extend(is_assistant and start >= content_start for start, _ in enc.offsets)
-            ids.extend((self.im_end_id, self._newline_id))
+            ids.extend((self.im_end_id, self.newline_id))
             labelled.extend((is_assistant, False))
             turn_ends.append(len(ids))
         if add_generation_prompt:
@@ -109,24 +113,22 @@ class Tokenizer:
             labelled.extend([False] * (len(ids) - len(labelled)))
         return ids, labelled, turn_ends
 
-    @property
-    def _newline_id(self) -> int:
-        nl = self.encode("\n")
-        assert len(nl) == 1, "byte-level BPE always has a single-byte token for a newline"
-        return nl[0]
-
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Ids of a conversation followed by the assistant header, ready for generation."""
         return self.encode_chat(messages, add_generation_prompt=True)[0]
+
+
+# The roles of the special tokens for transformers (special_tokens_map.json and tokenizer_config.json).
+SPECIAL_TOKENS_MAP = {"bos_token": IM_START, "eos_token": IM_END, "pad_token": ENDOFTEXT, "unk_token": ENDOFTEXT,
+                      "additional_special_tokens": list(SPECIAL_TOKENS)}
 
 
 def tokenizer_config(model_max_length: int = 32768) -> dict[str, Any]:
     """tokenizer_config.json for `transformers.AutoTokenizer` (fast tokenizer, ChatML template)."""
     added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                       "single_word": False, "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
-            "bos_token": IM_START, "eos_token": IM_END, "pad_token": ENDOFTEXT, "unk_token": ENDOFTEXT,
-            "additional_special_tokens": list(SPECIAL_TOKENS), "clean_up_tokenization_spaces": False,
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added, **SPECIAL_TOKENS_MAP,
+            "clean_up_tokenization_spaces": False,
             "model_max_length": model_max_length, "add_bos_token": False, "add_eos_token": False,
             "chat_template": CHAT_TEMPLATE}
 
@@ -156,7 +158,5 @@ def save_tokenizer(tok, out_dir: str | Path, model_max_length: int = 32768) -> P
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config(model_max_length), indent=2, ensure_ascii=False) + "\n")
-    special_map = {"bos_token": IM_START, "eos_token": IM_END, "pad_token": ENDOFTEXT, "unk_token": ENDOFTEXT,
-                   "additional_special_tokens": list(SPECIAL_TOKENS)}
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(SPECIAL_TOKENS_MAP, indent=2) + "\n")
     return out
