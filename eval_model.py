@@ -51,8 +51,7 @@ def read_probes(path: str) -> list[str]:
 class Evaluator:
     """A loaded checkpoint, its tokenizer and the generation settings from the command line."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        device = resolve_device(args.device)
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         dtype = resolve_dtype(args.dtype, device)
         self.model, model_dir = load_model(args.checkpoint, device=device, dtype=dtype)
         self.stage = args.stage or read_train_info(model_dir)["stage"]
@@ -166,16 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.repetition_penalty <= 0 or args.max_new_tokens < 1:
         p.error("need --temperature >= 0, 0 < --top_p <= 1, --repetition_penalty > 0, --max_new_tokens >= 1")
     try:
-        if args.device and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-            p.error(f"--device {args.device}: CUDA is not available")
-    except RuntimeError as e:  # an unknown device string
+        device = resolve_device(args.device)
+    except ValueError as e:
         p.error(f"--device {args.device}: {e}")
     try:
         # Input files are checked before the (possibly slow) model load.
         probes = read_probes(args.probes) if args.probes else None
         if args.ppl:
             check_path(args.ppl)
-        ev = Evaluator(args)
+        ev = Evaluator(args, device)
         if ev.budget < 1 and not args.ppl:
             raise ConfigError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt "
                               f"(max_position_embeddings {ev.model.config.max_position_embeddings})")

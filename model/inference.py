@@ -46,10 +46,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str | None = None) -> torch.device:
-    """The requested device, or (None / "auto") CUDA when available, else CPU."""
-    if name and name != "auto":
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The requested device, or (None / "auto") CUDA when available, else CPU.
+
+    Raises ValueError for a device string PyTorch does not know, or a CUDA device where CUDA is unavailable,
+    so every command line reports both the same way before loading anything."""
+    if not name or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("CUDA is not available")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -245,6 +245,21 @@ def test_bad_input_is_one_error_line_and_exit_2(runs, tmp_path, capsys):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("device,message", [("cuda:0", "CUDA is not available"), ("tpu9", "--device tpu9")])
+def test_unusable_device_is_a_usage_error_in_every_script(runs, tmp_path, capsys, device, message):
+    """One check (model.inference.resolve_device) serves evaluation and training alike."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as usage:
+        eval_model.main(["--checkpoint", str(runs["pretrain"]), "--prompt", "x", "--device", device])
+    assert usage.value.code == 2 and message in capsys.readouterr().err
+    import train_pretrain
+    with pytest.raises(SystemExit) as usage:  # rejected with the flags, before any data is prepared
+        train_pretrain.main(["--preset", "tiny", "--device", device, "--cache_dir", str(tmp_path / "cache")])
+    assert usage.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()
+
+
 # --------------------------------------------------------------------------- plotting
 def test_plot_metrics_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from model.config import PRESETS
+from model.inference import resolve_device
 
 STAGE_DEFAULTS = {
     "pretrain": dict(data_path="dataset/demo/pretrain_demo.jsonl", batch_size=32, learning_rate=5e-4,
@@ -99,4 +100,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--resume and --overwrite contradict each other")
     if not 0 <= args.warmup_ratio < 1:
         p.error("--warmup_ratio must be in [0, 1)")
+    try:
+        resolve_device(args.device)  # before data preparation, not after it
+    except ValueError as e:
+        p.error(f"--device {args.device}: {e}")
     return args

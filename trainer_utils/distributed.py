@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from launch.slurm import rendezvous_port
+from model.inference import resolve_device
 
 from .backend import Backend, SingleBackend
-from .runtime import Precision, resolve_device, resolve_dtype, set_cuda_tf32
+from .runtime import Precision, resolve_dtype, set_cuda_tf32
 
 
 @dataclass
@@ -69,7 +70,7 @@ def _free_port() -> int:
 
 
 def _device_for(env: DistEnv, requested: str) -> torch.device:
-    device = resolve_device(requested)
+    device = resolve_device(requested)  # check_args has already rejected an unusable --device
     if device.type == "cuda":
         # one GPU per process: local rank picks it unless the user pinned one explicitly
         device = torch.device("cuda", env.local_rank if device.index is None else device.index)

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from model.inference import DTYPES
-from model.inference import resolve_device as _device
 
 
 
@@ -24,16 +23,6 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    try:
-        device = _device(name)
-    except RuntimeError as e:  # an unknown device string
-        raise SystemExit(f"error: --device {name}: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"error: --device {name} requested but CUDA is not available")
-    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
