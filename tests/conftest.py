@@ -1,7 +1,9 @@
-"""Shared pytest fixtures: tiny configs and deterministic seeding."""
+"""Shared pytest fixtures and helpers: tiny configs, deterministic seeding, small corpora, run metrics."""
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,20 @@ def cli_flags(base: dict, **overrides) -> list[str]:
         elif value is not None and value is not False:
             out += [f"--{key}", str(value)]
     return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The training-step records (those with a "loss") of a run's metrics.jsonl, in order."""
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def wait_for_metrics(run_dir: Path, lines: int, timeout_s: float = 120) -> bool:
+    """Poll until a run's metrics.jsonl has `lines` lines (its process is training); False on time-out."""
+    path = Path(run_dir) / "metrics.jsonl"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return True
+        time.sleep(0.2)
+    return False

@@ -1,7 +1,6 @@
 """Real multi-process runs on CPU (gloo): DDP parity, cross-world-size resume, dead ranks, DeepSpeed ZeRO-2."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli_flags
+from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 
 from model import load_model
 
@@ -42,7 +41,7 @@ def single(script_args: list[str]) -> subprocess.CompletedProcess:
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [m["loss"] for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in m]
+    return [m["loss"] for m in read_metrics(run_dir)]
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -78,10 +77,8 @@ def test_two_rank_run_resumes_on_one_rank_at_the_same_sample(corpus, tmp_path):
 
 
 def test_a_dead_rank_makes_the_other_fail_within_the_timeout(corpus, tmp_path):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trainer_utils.distributed import _free_port
+    port = _free_port()
     procs = []
     for rank in range(2):
         env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -91,10 +88,7 @@ def test_a_dead_rank_makes_the_other_fail_within_the_timeout(corpus, tmp_path):
                                                            dist_timeout=30)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
-    metrics_file = tmp_path / "dead" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) > 3):
-        time.sleep(0.2)
+    wait_for_metrics(tmp_path / "dead", lines=4)
     procs[1].send_signal(signal.SIGKILL)
     t0 = time.time()
     _, err = procs[0].communicate(timeout=90)
@@ -117,7 +111,7 @@ def test_deepspeed_zero2_trains_checkpoints_resumes_and_tracks_ddp(corpus, tmp_p
     assert max(abs(x - y) for x, y in zip(a, b)) < 5e-3, (a, b)
     res = torchrun(2, args(corpus, tmp_path, "ds", batch_size=4, max_steps=9, resume=True) + ds)
     assert "step 9: val_loss" in res.stderr
-    steps = [m["step"] for m in map(json.loads, open(tmp_path / "ds/metrics.jsonl")) if "loss" in m]
+    steps = [m["step"] for m in read_metrics(tmp_path / "ds")]
     assert steps == list(range(1, 10))
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli_flags
+from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 
 pytest.importorskip("submitit")
 from launch import slurm  # noqa: E402
@@ -45,7 +45,7 @@ def cluster() -> None:
 
 
 def metrics_steps(run_dir: Path) -> list[int]:
-    return [m["step"] for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in m and "val_loss" not in m]
+    return [m["step"] for m in read_metrics(run_dir)]
 
 
 def test_dry_run_prints_the_job_and_resumes_by_default(capsys):
@@ -98,11 +98,8 @@ def test_real_slurm_preemption_checkpoints_requeues_and_completes(cluster, corpu
                         *train_args(corpus, tmp_path, "pre", max_steps=80, save_interval=1000)])
     job, record = slurm.make_job(args)
     handle = slurm.submit(args, job, record)
-    metrics = tmp_path / "pre" / "metrics.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
-        time.sleep(0.3)
-    assert metrics.exists(), "the job never started training"
+    wait_for_metrics(tmp_path / "pre", lines=10, timeout_s=180)
+    assert (tmp_path / "pre" / "metrics.jsonl").exists(), "the job never started training"
     handle._interrupt()  # what Slurm does on preemption: SIGTERM, then the requeue signal
     # Slurm holds a requeued job for ~2 minutes (BeginTime); release it at once to keep the test short.
     for _ in range(240):

@@ -6,12 +6,11 @@ import math
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli_flags, demo_records, tiny_config, write_jsonl
+from conftest import ROOT, cli_flags, demo_records, read_metrics, tiny_config, wait_for_metrics, write_jsonl
 
 import train_full_sft
 import train_pretrain
@@ -37,10 +36,6 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
 def stop_at(monkeypatch, step: int) -> None:
     """Deliver SIGTERM to this process right after optimizer step `step` is logged."""
     real = loop_mod.Trainer._log
@@ -59,7 +54,7 @@ def test_overfits_a_few_samples(corpus, tmp_path):
                                    learning_rate=1e-2, warmup_steps=5, log_interval=10, eval_interval=1000,
                                    save_interval=1000, val_fraction=0))
     assert rc == 0
-    losses = [m["loss"] for m in metrics(tmp_path / "run") if "loss" in m]
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
     assert losses[0] > 3 and losses[-1] < 0.05, losses  # from ~ln(6400) = 8.8 to memorised
 
 
@@ -73,7 +68,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(corpus, tmp_path, monke
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    steps = [m["step"] for m in metrics(tmp_path / "resumed") if "loss" in m]
+    steps = [m["step"] for m in read_metrics(tmp_path / "resumed")]
     assert steps == [2, 4, 6, 8]  # no step repeated or skipped
 
 
@@ -96,8 +91,8 @@ def test_accumulation_matches_a_bigger_batch(corpus, tmp_path):
     a, b = weights(tmp_path / "big"), weights(tmp_path / "acc")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
-    la = [m["loss"] for m in metrics(tmp_path / "big") if "loss" in m]
-    lb = [m["loss"] for m in metrics(tmp_path / "acc") if "loss" in m]
+    la = [m["loss"] for m in read_metrics(tmp_path / "big")]
+    lb = [m["loss"] for m in read_metrics(tmp_path / "acc")]
     assert la == pytest.approx(lb, abs=1e-5)
 
 
@@ -162,10 +157,7 @@ def test_sigterm_to_a_training_process_checkpoints_and_resumes(corpus, tmp_path)
     cmd = [sys.executable, "train_pretrain.py", *flags(corpus, tmp_path, max_steps=100000, log_interval=1,
                                                        save_interval=100000, eval_interval=100000)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics_file = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
-        time.sleep(0.2)
+    wait_for_metrics(tmp_path / "run", lines=3)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
@@ -175,7 +167,7 @@ def test_sigterm_to_a_training_process_checkpoints_and_resumes(corpus, tmp_path)
     assert 3 <= stopped < 100000
     rc = train_pretrain.main(flags(corpus, tmp_path, max_steps=stopped + 2, resume=True, log_interval=1))
     assert rc == 0
-    assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m][-2:] == [stopped + 1, stopped + 2]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")][-2:] == [stopped + 1, stopped + 2]
 
 
 def test_sft_from_pretrain_checkpoint(corpus, tmp_path):
@@ -213,7 +205,7 @@ def test_wandb_offline_and_tensorboard_logging(corpus, tmp_path, monkeypatch):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     offline = list((run / "wandb").glob("offline-run-*"))
     assert offline, "wandb must default to offline mode without an API key"
-    record = metrics(run)[0]
+    record = read_metrics(run)[0]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "data_wait_frac", "peak_rss_gb"} <= set(record)
     assert "mfu" not in record  # no known peak FLOPs on CPU: omitted, not 0
 
