@@ -118,8 +118,7 @@ class DeepSpeedBackend(DDPBackend):
     def __init__(self, env: DistEnv, device: torch.device, precision: Precision, timeout_s: int, args: Any) -> None:
         import deepspeed  # imported here so the other backends never need it
 
-        Backend.__init__(self)
-        self.device, self.precision = device, precision
+        SingleBackend.__init__(self, device, precision)  # not DDPBackend's: DeepSpeed starts its own group
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
         if precision.dtype == torch.float16:
             raise SystemExit("error: use --dtype bfloat16 or float32 with --deepspeed (DeepSpeed does its own "

@@ -83,16 +83,16 @@ class Session:
             return ModelConfig.load(self.resume_from / "config.json")
         if init_dir is not None:
             return ModelConfig.load(init_dir / "config.json")
+        preset = get_preset(a.preset)
         overrides = {k: getattr(a, k) for k in ("hidden_size", "num_hidden_layers", "dropout")
                      if getattr(a, k) is not None}
         if a.max_seq_len is not None:
             overrides["max_seq_len"] = a.max_seq_len
-            preset_max_pos = get_preset(a.preset).max_position_embeddings
-            overrides["max_position_embeddings"] = max(preset_max_pos, a.max_seq_len)
+            overrides["max_position_embeddings"] = max(preset.max_position_embeddings, a.max_seq_len)
         if a.hidden_size is not None:
             # keep the preset's head size when only the width changes
-            heads = max(1, a.hidden_size // get_preset(a.preset).head_dim)
-            kv = get_preset(a.preset).num_key_value_heads
+            heads = max(1, a.hidden_size // preset.head_dim)
+            kv = preset.num_key_value_heads
             overrides.update(num_attention_heads=heads, num_key_value_heads=kv if heads % kv == 0 else heads)
         # the embedding table matches the tokenizer actually used
         return get_preset(a.preset, vocab_size=self.tokenizer.vocab_size, **overrides)
@@ -358,9 +358,9 @@ class Trainer:
     def _eval_and_log(self, logger: MetricsLogger) -> float | None:
         val_loss = self.evaluate()
         if val_loss is not None:
-            logger.log({"step": self.step, "val_loss": round(val_loss, 5),
-                        "val_ppl": round(math.exp(min(val_loss, 50)), 3)})
-            logger.message(f"step {self.step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
+            ppl = math.exp(min(val_loss, 50))  # capped: a diverged run must not overflow the log
+            logger.log({"step": self.step, "val_loss": round(val_loss, 5), "val_ppl": round(ppl, 3)})
+            logger.message(f"step {self.step}: val_loss {val_loss:.4f} (ppl {ppl:.2f})")
         return val_loss
 
 
