@@ -7,7 +7,7 @@ DEMO_PRETRAIN_STEPS ?= 450
 DEMO_SFT_STEPS ?= 150
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: install install-dev test demo bench
+.PHONY: install install-dev test test-fast lint demo bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
@@ -17,24 +17,32 @@ install-dev: install
 	$(PIP) -r requirements-dev.txt
 
 # pytest exits 5 when it collected no tests; that must fail loudly, never pass as green.
-test: install-dev
-	@$(PYTHON) -m pytest -q tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: ERROR: no tests were collected or run" >&2; fi; \
+NO_TESTS_IS_AN_ERROR = rc=$$?; if [ $$rc -eq 5 ]; then echo "make: ERROR: no tests were collected or run" >&2; fi; \
 	exit $$rc
+
+# The whole suite (what CI runs): real subprocess, DDP, DeepSpeed and Slurm tests included.
+test: install-dev
+	@$(PYTHON) -m pytest -q tests; $(NO_TESTS_IS_AN_ERROR)
+
+# The inner loop: everything not marked slow (no subprocesses, no multi-process runs), under a minute.
+test-fast: install-dev
+	@$(PYTHON) -m pytest -q -m "not slow" tests; $(NO_TESTS_IS_AN_ERROR)
+
+lint: install-dev
+	$(PYTHON) -m ruff check .
 
 # The end-to-end pipeline on the bundled corpus, sized for a 2-core CPU in under 10 minutes:
 # tokenizer check -> short pretrain -> short SFT -> samples, perplexity, a chat answer, loss plots.
+# The training settings are the recipes in recipes/demo-*.yaml.
 DEMO_OUT ?= out
-DEMO_MODEL := --preset mini-30m --hidden_size 256 --num_hidden_layers 4 --max_seq_len 256
 DEMO_SAMPLING := --temperature 0.8 --top_p 0.9 --repetition_penalty 1.2 --seed 0
-DEMO_RUN := --out_dir $(DEMO_OUT) --overwrite --log_interval 10 --eval_interval 100 --save_interval 100
 demo: install
 	$(PYTHON) train_tokenizer.py --data_path dataset/demo/pretrain_demo.jsonl dataset/demo/sft_demo.jsonl \
 		--out_dir $(DEMO_OUT)/demo-tokenizer
-	$(PYTHON) train_pretrain.py $(DEMO_MODEL) $(DEMO_RUN) --run_name demo-pretrain \
-		--batch_size 16 --max_steps $(DEMO_PRETRAIN_STEPS) --learning_rate 2e-3 --warmup_steps 20
-	$(PYTHON) train_full_sft.py --init_from $(DEMO_OUT)/demo-pretrain $(DEMO_RUN) --run_name demo-sft \
-		--max_seq_len 256 --batch_size 16 --max_steps $(DEMO_SFT_STEPS) --learning_rate 5e-4 --warmup_steps 10
+	$(PYTHON) train_pretrain.py --config recipes/demo-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--max_steps $(DEMO_PRETRAIN_STEPS)
+	$(PYTHON) train_full_sft.py --config recipes/demo-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-pretrain --max_steps $(DEMO_SFT_STEPS)
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain $(DEMO_SAMPLING) --max_new_tokens 60 \
 		--prompt "It is a truth universally acknowledged" --prompt "床前明月光，"

@@ -10,17 +10,21 @@ text and stop at <|endoftext|>; SFT checkpoints are prompted through the chat te
 """
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import torch
 
-from dataset.jsonl import DataError, SkipReport, check_path, read_records
-from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer, TokenizerError
-from model import CheckpointError, ConfigError, load_model
-from model.inference import (fit_chat, keep_recent, pack_documents, read_train_info, resolve_device, resolve_dtype,
-                             score_windows, split_windows, stream_generate, token_byte_lengths)
+from common.config import option, parse_config
+from common.errors import ConfigError, DataError, PocketLMError
+from dataset.jsonl import SkipReport, check_path, read_records
+from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+from model import load_model
+from model.generate import SamplingConfig
+from model.inference import (DeviceConfig, fit_chat, keep_recent, pack_documents, read_train_info, resolve_device,
+                             resolve_dtype, score_windows, split_windows, stream_generate, token_byte_lengths)
 
 
 def note(message: str) -> None:
@@ -51,20 +55,24 @@ def read_probes(path: str) -> list[str]:
 class Evaluator:
     """A loaded checkpoint, its tokenizer and the generation settings from the command line."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
-        dtype = resolve_dtype(args.dtype, device)
-        self.model, model_dir = load_model(args.checkpoint, device=device, dtype=dtype)
-        self.stage = args.stage or read_train_info(model_dir)["stage"]
-        if args.system and self.stage != "sft":
+    def __init__(self, config: EvalConfig, device: torch.device) -> None:
+        task, self.sampling = config.task, config.sampling
+        dtype = resolve_dtype(config.device.dtype, device)
+        self.model, model_dir = load_model(task.checkpoint, device=device, dtype=dtype)
+        self.stage = task.stage or read_train_info(model_dir)["stage"]
+        self.system = task.system
+        self.skip_bad_lines = task.skip_bad_lines
+        if task.system and self.stage != "sft":
             note("--system is ignored: a pretrain checkpoint is prompted with raw text")
         if not (model_dir / "tokenizer.json").is_file():
             note(f"{model_dir} has no tokenizer.json; using the default tokenizer")
         self.tok = Tokenizer(model_dir if (model_dir / "tokenizer.json").is_file() else DEFAULT_TOKENIZER_DIR)
         self.tok.check_fits(self.model.config.vocab_size)
-        self.args = args
         self.eos = [self.tok.im_end_id, self.tok.eot_id] if self.stage == "sft" else [self.tok.eot_id]
-        self.budget = self.model.config.max_position_embeddings - args.max_new_tokens  # prompt tokens allowed
-        self.generator = torch.Generator(device).manual_seed(args.seed) if args.seed is not None else None
+        # prompt tokens allowed
+        self.budget = self.model.config.max_position_embeddings - self.sampling.max_new_tokens
+        seed = self.sampling.seed
+        self.generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
         print(f"loaded {model_dir} (stage {self.stage}, {self.model.num_parameters() / 1e6:.2f}M params, "
               f"{device}, {str(dtype).removeprefix('torch.')})", file=sys.stderr)
 
@@ -74,7 +82,7 @@ class Evaluator:
         for ids, dropped in fitted:
             if dropped:
                 note(f"prompt too long; dropped its first {dropped} tokens (kept the last {len(ids)})")
-        a = self.args
+        a = self.sampling
         new = stream_generate(self.model, [ids for ids, _ in fitted], self.tok.decode,
                               on_text=(lambda text: print(text, end="", flush=True)) if stream else None,
                               max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -86,7 +94,7 @@ class Evaluator:
 
     def chat(self) -> None:
         """REPL: lines from stdin, streamed replies; /reset clears the history, /exit or EOF quits."""
-        base = [{"role": "system", "content": self.args.system}] if self.args.system else []
+        base = [{"role": "system", "content": self.system}] if self.system else []
         if self.stage != "sft":
             note("pretrain checkpoint: each line is continued as raw text, without history or template")
         history, interactive = list(base), sys.stdin.isatty()
@@ -120,16 +128,16 @@ class Evaluator:
         """Print each probe prompt with its completion."""
         for start in range(0, len(texts), 8):  # batched: a left-padded batch decodes as each prompt alone
             chunk = texts[start:start + 8]
-            outs = self.complete([prompt_ids(self.tok, self.stage, t, self.args.system) for t in chunk])
+            outs = self.complete([prompt_ids(self.tok, self.stage, t, self.system) for t in chunk])
             for text, out in zip(chunk, outs):
                 print(f">>> {text}\n{out}\n", flush=True)
 
     def perplexity(self, path: str) -> None:
         """Token-weighted perplexity and bits per byte of a {"text"} or {"conversations"} JSONL file."""
-        first = next(read_records(path, "any", self.args.skip_bad_lines))[1]
+        first = next(read_records(path, "any", self.skip_bad_lines))[1]
         kind = "text" if "text" in first else "conversations"  # the first record decides; others must match
         report, length = SkipReport(), self.model.config.max_seq_len
-        records = [r[kind] for _, r in read_records(path, kind, self.args.skip_bad_lines, report)]
+        records = [r[kind] for _, r in read_records(path, kind, self.skip_bad_lines, report)]
         if kind == "text":  # documents joined by <|endoftext|>, cut into training-style windows
             windows = pack_documents((self.tok.encode(t) + [self.tok.eot_id] for t in records), length)
         else:  # each conversation alone, scoring only assistant tokens (and their <|im_end|>)
@@ -142,53 +150,63 @@ class Evaluator:
               f"{s.tokens} {scope}, {s.bytes} bytes, {len(records)} records from {path}")
 
 
+@dataclass
+class EvalTask:
+    """Which checkpoint, and what to do with it."""
+
+    title: ClassVar[str] = "checkpoint and mode"
+    checkpoint: str | None = option(None, "run dir (out/<run>), checkpoint dir or model dir (required)",
+                                    metavar="DIR")
+    prompt: list[str] | None = option(None, "generate once from TEXT (repeatable)", metavar="TEXT")
+    chat: bool = option(False, "interactive chat (the default mode)")
+    ppl: str | None = option(None, "perplexity and bits per byte over a JSONL file", metavar="F.jsonl")
+    probes: str | None = option(None, "one prompt per line ('#' comments)", metavar="FILE")
+    system: str | None = option(None, "system prompt for SFT checkpoints", metavar="TEXT")
+    stage: Literal["pretrain", "sft"] | None = option(None, "override train_info.json's stage")
+    skip_bad_lines: bool = option(False, "--ppl: skip and count malformed lines")
+
+
+@dataclass
+class EvalConfig:
+    """eval_model.py's settings."""
+
+    task: EvalTask
+    sampling: SamplingConfig
+    device: DeviceConfig
+
+    def check(self) -> None:
+        if self.task.checkpoint is None:
+            raise ConfigError("--checkpoint is required")
+        modes = [f"--{m}" for m in ("prompt", "chat", "ppl", "probes") if getattr(self.task, m)]
+        if len(modes) > 1:
+            raise ConfigError(f"{' and '.join(modes)} are alternatives; give one")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run dir (out/<run>), checkpoint dir or model dir")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--prompt", action="append", help="generate once from TEXT (repeatable)")
-    mode.add_argument("--chat", action="store_true", help="interactive chat (the default mode)")
-    mode.add_argument("--ppl", metavar="F.jsonl", help="perplexity and bits per byte over a JSONL file")
-    mode.add_argument("--probes", metavar="FILE", help="one prompt per line ('#' comments)")
-    p.add_argument("--system", help="system prompt for SFT checkpoints")
-    p.add_argument("--stage", choices=("pretrain", "sft"), help="override train_info.json's stage")
-    p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=0, help="0 = off")
-    p.add_argument("--top_p", type=float, default=0.9)
-    p.add_argument("--repetition_penalty", type=float, default=1.1)
-    p.add_argument("--max_new_tokens", type=int, default=256)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--skip_bad_lines", action="store_true", help="--ppl: skip and count malformed lines")
-    args = p.parse_args(argv)
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.repetition_penalty <= 0 or args.max_new_tokens < 1:
-        p.error("need --temperature >= 0, 0 < --top_p <= 1, --repetition_penalty > 0, --max_new_tokens >= 1")
     try:
-        device = resolve_device(args.device)
-    except ValueError as e:
-        p.error(f"--device {args.device}: {e}")
-    try:
+        config = parse_config(EvalConfig, argv, __doc__)
+        task = config.task
+        device = resolve_device(config.device.device)
         # Input files are checked before the (possibly slow) model load.
-        probes = read_probes(args.probes) if args.probes else None
-        if args.ppl:
-            check_path(args.ppl)
-        ev = Evaluator(args, device)
-        if ev.budget < 1 and not args.ppl:
-            raise ConfigError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt "
+        probes = read_probes(task.probes) if task.probes else None
+        if task.ppl:
+            check_path(task.ppl)
+        ev = Evaluator(config, device)
+        if ev.budget < 1 and not task.ppl:
+            raise ConfigError(f"--max_new_tokens {config.sampling.max_new_tokens} leaves no room for a prompt "
                               f"(max_position_embeddings {ev.model.config.max_position_embeddings})")
-        if args.ppl:
-            ev.perplexity(args.ppl)
+        if task.ppl:
+            ev.perplexity(task.ppl)
         elif probes:
             ev.probes(probes)
-        elif args.prompt:
-            for text in args.prompt:
+        elif task.prompt:
+            for text in task.prompt:
                 # SFT: the question, then the streamed answer; pretrain: the prompt continued in place
                 print(f">>> {text}" if ev.stage == "sft" else text, end="\n" if ev.stage == "sft" else "", flush=True)
-                ev.complete([prompt_ids(ev.tok, ev.stage, text, args.system)], stream=True)
+                ev.complete([prompt_ids(ev.tok, ev.stage, text, task.system)], stream=True)
         else:
             ev.chat()
-    except (CheckpointError, ConfigError, DataError, TokenizerError, OSError) as e:
+    except (PocketLMError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

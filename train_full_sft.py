@@ -14,14 +14,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     # Imported here, not at module level: tokenizer worker processes are spawned and re-import this file, and
     # must not pay for loading PyTorch (~0.4 GB each).
-    from trainer_utils.args import build_parser, check_args
-    from trainer_utils.loop import run
+    from trainer_utils.loop import main as train
 
-    parser = build_parser("sft", __doc__)
-    args = check_args(parser, parser.parse_args(argv))
-    if args.init_from is None and not args.resume:
-        print("note: no --init_from; fine-tuning a randomly initialised model", file=sys.stderr)
-    return run(args, "sft")
+    return train("sft", argv, __doc__)
 
 
 if __name__ == "__main__":

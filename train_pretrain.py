@@ -14,12 +14,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     # Imported here, not at module level: tokenizer worker processes are spawned and re-import this file, and
     # must not pay for loading PyTorch (~0.4 GB each).
-    from trainer_utils.args import build_parser, check_args
-    from trainer_utils.loop import run
+    from trainer_utils.loop import main as train
 
-    parser = build_parser("pretrain", __doc__)
-    args = check_args(parser, parser.parse_args(argv))
-    return run(args, "pretrain")
+    return train("pretrain", argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
 from model import PocketLM, get_preset  # noqa: E402
-from trainer_utils.backend import SingleBackend  # noqa: E402
+from trainer_utils.backend import TorchBackend  # noqa: E402
 from trainer_utils.loop import Trainer  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
@@ -117,7 +117,7 @@ def timing_compute() -> Iterator[list[float]]:
     compute calls return after launching kernels, and synchronising to time them would serialise the very
     overlap of host work and GPU work the loop is built for."""
     per_step: list[float] = []
-    originals = {(Trainer, "train_step"): Trainer.train_step, (SingleBackend, "step"): SingleBackend.step}
+    originals = {(Trainer, "train_step"): Trainer.train_step, (TorchBackend, "step"): TorchBackend.step}
 
     def timed(fn, closes_step: bool):
         def wrapper(*args, **kwargs):
@@ -132,7 +132,7 @@ def timing_compute() -> Iterator[list[float]]:
         return wrapper
 
     Trainer.train_step = timed(Trainer.train_step, closes_step=False)
-    SingleBackend.step = timed(SingleBackend.step, closes_step=True)
+    TorchBackend.step = timed(TorchBackend.step, closes_step=True)
     try:
         yield per_step
     finally:

@@ -35,6 +35,7 @@ from .jsonl import (DEFAULT_MAX_LINE_BYTES, DataError, SkipReport, check_path, i
 from .tokenizer import Tokenizer
 
 CACHE_VERSION = 1
+DEFAULT_SPLIT_SEED = 42  # the validation split's seed unless --split_seed says otherwise
 CHUNK_BYTES = 2 * 1024 * 1024  # raw JSONL per task: large enough to amortise IPC, small enough to bound memory
 SPLITS = ("train", "val")
 
@@ -238,13 +239,14 @@ def _load_if_valid(final: Path, source: Path, tokenizer: Tokenizer) -> TokenCach
 
 
 def prepare(data_path: str | Path, tokenizer: Tokenizer, kind: str = "pretrain", val_fraction: float = 0.0,
-            seed: int = 0, num_workers: int | None = None, skip_bad_lines: bool = False,
+            seed: int = DEFAULT_SPLIT_SEED, num_workers: int | None = None, skip_bad_lines: bool = False,
             cache_dir: str | Path | None = None, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
             log: Callable[[str], None] = print, **settings: Any) -> TokenCache:
     """Return the token cache for data_path, building it if missing or stale.
 
     kind "pretrain" reads {"text"} records; kind "sft" reads {"conversations"} and needs settings
     max_seq_len and overlong ("truncate" | "drop"). Bad lines raise DataError unless skip_bad_lines.
+    `seed` seeds the document-level validation split; it is part of the cache key.
     """
     if kind not in ENCODERS:
         raise ValueError(f"unknown cache kind {kind!r}")
@@ -259,17 +261,20 @@ def prepare(data_path: str | Path, tokenizer: Tokenizer, kind: str = "pretrain",
     final = root / f"{kind}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
 
     cache = _load_if_valid(final, source, tokenizer)
-    if cache is not None:
-        return cache
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same cache: wait for it
-        cache = _load_if_valid(final, source, tokenizer)
-        if cache is not None:
-            return cache
-        for stale in root.glob("*.tmp-*"):  # left by an interrupted run; we hold the lock, nobody owns them
-            shutil.rmtree(stale, ignore_errors=True)
-        return _build(source, tokenizer, kind, settings, final, num_workers, skip_bad_lines, max_line_bytes, log)
+    if cache is None:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same cache: wait for it
+            cache = _load_if_valid(final, source, tokenizer)
+            if cache is None:
+                for stale in root.glob("*.tmp-*"):  # left by an interrupted run; we hold the lock, nobody owns them
+                    shutil.rmtree(stale, ignore_errors=True)
+                return _build(source, tokenizer, kind, settings, final, num_workers, skip_bad_lines,
+                              max_line_bytes, log)
+    splits = cache.meta["splits"]
+    log(f"reusing the prepared cache {cache.path} ({splits['train']['tokens']:,} train / "
+        f"{splits['val']['tokens']:,} val tokens)")
+    return cache
 
 
 def _build(source: Path, tokenizer: Tokenizer, kind: str, settings: dict[str, Any], final: Path,
@@ -372,33 +377,24 @@ def _build(source: Path, tokenizer: Tokenizer, kind: str, settings: dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dataset.cache`: prepare a cache ahead of training (e.g. on a login node before a cluster job)."""
-    import argparse
+    """`python -m dataset.cache`: prepare a cache ahead of training (e.g. on a login node before a cluster job).
 
-    from .tokenizer import DEFAULT_TOKENIZER_DIR, TokenizerError
+    Takes the trainers' data flags with the trainers' defaults, so the cache it builds is the one
+    `train_pretrain.py` / `train_full_sft.py` reuse for the same --data_path.
+    """
+    from common.config import parse_config
+    from common.errors import PocketLMError
 
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--data_path", required=True)
-    p.add_argument("--kind", choices=sorted(ENCODERS), default="pretrain")
-    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER_DIR))
-    p.add_argument("--val_fraction", type=float, default=0.005, help="share of documents held out (by line)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the validation split")
-    p.add_argument("--max_seq_len", type=int, default=512, help="SFT only: longer conversations are cut or dropped")
-    p.add_argument("--overlong", choices=("truncate", "drop"), default="truncate", help="SFT only")
-    p.add_argument("--num_workers", type=int, default=None, help="tokenizer processes (default: CPU count, max 8)")
-    p.add_argument("--cache_dir", default=None, help="default: <data_path>.pocketlm-cache beside the data")
-    p.add_argument("--skip_bad_lines", action="store_true", help="skip and count malformed lines")
-    args = p.parse_args(argv)
-    extra = {"max_seq_len": args.max_seq_len, "overlong": args.overlong} if args.kind == "sft" else {}
+    from .config import CacheConfig, prepare_data
+    from .tokenizer import DEFAULT_TOKENIZER_DIR
+
     try:
-        cache = prepare(args.data_path, Tokenizer(args.tokenizer), args.kind, args.val_fraction, args.seed,
-                        args.num_workers, args.skip_bad_lines, args.cache_dir, **extra)
-    except (DataError, TokenizerError) as e:
+        cfg = parse_config(CacheConfig, argv, main.__doc__)
+        tokenizer = Tokenizer(cfg.data.tokenizer or DEFAULT_TOKENIZER_DIR)
+        cache = prepare_data(cfg.data, tokenizer, cfg.target.kind, cfg.target.max_seq_len,
+                             log=lambda m: print(m, file=sys.stderr))
+    except PocketLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"cache: {cache.path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Streaming JSON Lines reading with file:line errors, record validation and counted skips; atomic writes.
+"""Streaming JSON Lines reading with file:line errors, record validation and counted skips.
 
 Every data stage (cleaning, tokenizer training, tokenization) reads through here, so a bad line is reported
 the same way everywhere: `DataError("data.jsonl:17: invalid JSON (...)")`, or skipped and counted when the
@@ -7,20 +7,17 @@ user asked for `--skip_bad_lines`.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from common.errors import DataError
+from common.files import write_atomic  # noqa: F401  (re-exported: the data stages write through it)
+
 # A "line" longer than this is almost always a JSON array or a whole file on one line, not a record.
 DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
 ROLES = ("system", "user", "assistant")
-
-
-class DataError(ValueError):
-    """Bad input data; the message starts with `file:line:` when a line is at fault."""
 
 
 @dataclass
@@ -40,10 +37,6 @@ class SkipReport:
         if not skip:
             raise DataError(f"{path}:{lineno}: {reason} (use --skip_bad_lines to skip such lines)")
         self.add(reason.split(" (")[0], f"{path.name}:{lineno}")
-
-    def merge(self, other: "SkipReport") -> None:
-        self.counts.update(other.counts)
-        self.examples.extend(other.examples[: max(0, 5 - len(self.examples))])
 
     @property
     def total(self) -> int:
@@ -164,26 +157,3 @@ def read_records(path: str | Path, kind: str, skip_bad_lines: bool = False,
         yield lineno, record
     if not seen_any:
         raise DataError(f"{path}: no usable records (empty file, or every line was bad)")
-
-
-def write_atomic(path: str | Path, data: str | bytes | Iterable[bytes]) -> None:
-    """Write `data` (text, bytes, or an iterable of byte chunks) to a temporary file beside `path`, fsync it
-    and rename it over `path`: readers see the old file or the new one, never a half-written one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    chunks = [data.encode("utf-8")] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates the file 0600; give it the permissions a plain open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

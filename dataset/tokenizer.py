@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from common.errors import TokenizerError
+
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in tokenizers trained here
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "model" / "tokenizer"
@@ -28,10 +30,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-class TokenizerError(ValueError):
-    """A tokenizer directory that cannot be used; the message names the file."""
 
 
 class Tokenizer:
@@ -77,7 +75,7 @@ class Tokenizer:
         """Refuse a model whose embedding table is smaller than this tokenizer's id range."""
         if self.vocab_size > vocab_size:
             raise TokenizerError(f"{self.path}/tokenizer.json has {self.vocab_size} tokens but the {where} has "
-                                 f"vocab_size {vocab_size}; use a matching tokenizer or --vocab_size")
+                                 f"vocab_size {vocab_size}; use the tokenizer the model was trained with (--tokenizer DIR)")
 
     # ------------------------------------------------------------------------ chat
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.files import rendezvous_port
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -97,12 +99,6 @@ class TrainingJob:
 
     def __getstate__(self) -> dict[str, Any]:  # a running process is not part of the pickled job
         return {**self.__dict__, "_proc": None, "_done": None, "_preempted": False}
-
-
-def rendezvous_port(job_id: str) -> int:
-    """A port derived from the job id: every task computes the same one without talking to the others."""
-    digits = "".join(c for c in str(job_id) if c.isdigit()) or "0"
-    return 20000 + int(digits) % 20000
 
 
 def build_parser() -> argparse.ArgumentParser:

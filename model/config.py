@@ -8,12 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.errors import ConfigError
+
 # Marks a config.json as ours, so it is never confused with a transformers config.json.
 MODEL_TYPE = "pocketlm"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot describe a working model; the message says what and what was expected."""
 
 
 @dataclass
@@ -168,6 +166,23 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     if bad:
         raise ConfigError(f"unknown config fields {bad}")
     return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+# Fields that are not the network's architecture: the tokenizer sets the vocabulary, the run sets the context,
+# dropout is a training choice. Two configs equal on every other field describe the same network shape.
+NOT_ARCHITECTURE = ("vocab_size", "max_seq_len", "max_position_embeddings", "dropout", "gradient_checkpointing")
+
+
+def architecture(config: ModelConfig) -> dict[str, Any]:
+    """The fields of `config` that fix the network's shape and kind (see NOT_ARCHITECTURE)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in NOT_ARCHITECTURE}
+
+
+def model_name(config: ModelConfig) -> str:
+    """The preset `config` has the shape of, else a short shape description such as "d256-l4" (run names)."""
+    shape = architecture(config)
+    return next((name for name in PRESETS if architecture(get_preset(name)) == shape),
+                f"d{config.hidden_size}-l{config.num_hidden_layers}")
 
 
 def preset_table() -> str:

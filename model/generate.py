@@ -1,11 +1,27 @@
 """Autoregressive generation: logits filters with Hugging Face semantics and a KV-cached decode loop."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
+from common.config import option
+
 from .model import KVCache, PocketLM
+
+
+@dataclass
+class SamplingConfig:
+    """How tokens are drawn: the settings of `generate` that a user chooses (transformers semantics)."""
+
+    title: ClassVar[str] = "sampling"
+    temperature: float = option(0.7, "softmax temperature; 0 = greedy", at_least=0)
+    top_k: int = option(0, "keep the k most likely tokens; 0 = off", at_least=0)
+    top_p: float = option(0.9, "keep the smallest set of tokens with this much probability", above=0, at_most=1)
+    repetition_penalty: float = option(1.1, "penalise tokens already in the text (1 = off)", above=0)
+    max_new_tokens: int = option(256, "tokens to generate at most", at_least=1)
+    seed: int | None = option(None, "seed of the sampling (default: unseeded)")
 
 NEG_INF = float("-inf")
 

@@ -11,16 +11,18 @@ import math
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, ClassVar, Iterable, Iterator, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from common.config import option
+from common.errors import CheckpointError, ConfigError
+from common.files import TRAIN_INFO_NAME
+
 from .generate import generate
-from .loading import CheckpointError
 from .model import PocketLM
 
-TRAIN_INFO_NAME = "train_info.json"
 STAGES = ("pretrain", "sft")
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode shows for an incomplete multi-byte character
 IGNORE_INDEX = -100
@@ -45,19 +47,30 @@ def read_train_info(model_dir: str | Path) -> dict:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass
+class DeviceConfig:
+    """Where a model runs and in which number format (evaluation; training extends it)."""
+
+    title: ClassVar[str] = "precision and devices"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "number format (auto: bf16 on GPUs that have it, else fp32; training also uses bf16 on CPUs "
+                "with native bf16, and fp16 with loss scaling on older GPUs)")
+    device: str = option("auto", "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N", metavar="DEVICE")
+
+
 def resolve_device(name: str | None = None) -> torch.device:
     """The requested device, or (None / "auto") CUDA when available, else CPU.
 
-    Raises ValueError for a device string PyTorch does not know, or a CUDA device where CUDA is unavailable,
+    Raises ConfigError for a device string PyTorch does not know, or a CUDA device where CUDA is unavailable,
     so every command line reports both the same way before loading anything."""
     if not name or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise ValueError(str(e)) from None
+        raise ConfigError(f"--device {name}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("CUDA is not available")
+        raise ConfigError(f"--device {name}: CUDA is not available")
     return device
 
 

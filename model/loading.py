@@ -13,19 +13,17 @@ from pathlib import Path
 
 import torch
 
+from common.errors import CheckpointError
+from common.files import LATEST_NAME
+
 from .config import ConfigError, ModelConfig
 from .model import PocketLM
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-LATEST_NAME = "latest"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # Prefixes other tools wrap around parameter names: DDP, torch.compile, HF/MiniMind's inner `model.`.
 STRIP_PREFIXES = ("module.", "_orig_mod.", "model.")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as a PocketLM model; the message names the file and the problem."""
 
 
 def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model import ModelConfig, PocketLM, get_preset  # noqa: E402
+from model import ModelConfig, get_preset  # noqa: E402
 
 
 def tiny_config(style: str = "llama", **overrides) -> ModelConfig:
@@ -27,11 +27,6 @@ def tiny_config(style: str = "llama", **overrides) -> ModelConfig:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def tiny_model() -> PocketLM:
-    return PocketLM(tiny_config()).eval()
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +85,43 @@ def wait_for_metrics(run_dir: Path, lines: int, timeout_s: float = 120) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+def strict_records(run_dir: Path) -> list[dict]:
+    """Every record of metrics.jsonl, parsed as strict JSON (a bare NaN or Infinity fails the test)."""
+    def reject(constant: str) -> None:
+        pytest.fail(f"metrics.jsonl holds a bare {constant}, which strict JSON readers reject")
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line, parse_constant=reject) for line in f]
+
+
+def train_through_an_empty_step(argv: list[str], monkeypatch) -> dict:
+    """Train one step whose every target is masked (no valid target anywhere) with the training flags `argv`;
+    return what a test checks: whether the weights and the optimizer state moved, and the run's records."""
+    from dataset.tokenizer import IGNORE_INDEX
+    from trainer_utils import loop
+    from trainer_utils.config import parse_train_config
+    from trainer_utils.data import StepFeeder
+
+    config = parse_train_config("pretrain", argv, "")
+    session = loop.Session(config, "pretrain")
+    try:
+        trainer = loop.Trainer(session)
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        real = StepFeeder.next_step
+
+        def no_targets(self):
+            micro, n_input = real(self)
+            return [(x, torch.full_like(y, IGNORE_INDEX)) for x, y in micro], n_input
+
+        monkeypatch.setattr(StepFeeder, "next_step", no_targets)
+        assert trainer.fit() == 0
+        after = trainer.model.state_dict()
+        return {"weights_moved": [k for k in before if not torch.equal(before[k], after[k])],
+                # a skipped step may create the optimizer's state lazily, but leaves it all zero (Adam's step count,
+                # moments, SGD's momentum buffer)
+                "optimizer_moved": any(bool(torch.as_tensor(v).any()) for state in trainer.optimizer.state.values()
+                                       for v in state.values()),
+                "skipped": trainer.skipped, "records": strict_records(session.run_dir)}
+    finally:
+        session.backend.close()

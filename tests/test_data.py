@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT, write_jsonl
 
 from dataset import cache as cache_mod
-from dataset.cache import in_validation, prepare, token_dtype
+from dataset.cache import DEFAULT_SPLIT_SEED, in_validation, prepare, token_dtype
 from dataset.datasets import PretrainDataset, SFTDataset
 from dataset.jsonl import DataError, SkipReport, read_records
 from dataset.tokenizer import IGNORE_INDEX
@@ -94,7 +94,7 @@ def test_all_lines_bad_is_an_error_even_when_skipping(tmp_path):
 # ---------------------------------------------------------------------------- tokenize once
 def test_stream_is_documents_joined_by_endoftext(pretrain_file, tokenizer, tmp_path):
     cache = prepare(pretrain_file, tokenizer, val_fraction=0.1, num_workers=0, cache_dir=tmp_path / "c", log=str)
-    val = in_validation(np.arange(1, len(DOCS) + 1), 0.1, 0)
+    val = in_validation(np.arange(1, len(DOCS) + 1), 0.1, DEFAULT_SPLIT_SEED)
     assert 0 < val.sum() < len(DOCS)
     for split, docs in (("train", [d for d, v in zip(DOCS, val) if not v]), ("val", [d for d, v in zip(DOCS, val) if v])):
         expected = [t for d in docs for t in tokenizer.encode(d) + [tokenizer.eot_id]]
@@ -279,11 +279,11 @@ def test_feeder_counts_real_inputs_so_padding_cannot_inflate_throughput(corpus, 
         feeder = StepFeeder(ds, batch_size=4, accumulation_steps=2, rank=0, world_size=1, cursor=8,
                             device=torch.device("cpu"))
         try:
-            micro, n_valid, n_input = feeder.next_step()
+            micro, n_input = feeder.next_step()
         finally:
             feeder.close()
         # conversations never contain <|endoftext|> (the pad); pretraining windows hold it as a real token
         real = sum(int((x != tokenizer.pad_id).sum()) for x, _ in micro) if isinstance(ds, SFTDataset) else \
             sum(x.numel() for x, _ in micro)
         assert n_input == real <= sum(x.numel() for x, _ in micro)
-        assert n_valid == sum(int((y != IGNORE_INDEX).sum()) for _, y in micro) <= n_input
+        assert sum(int((y != IGNORE_INDEX).sum()) for _, y in micro) <= n_input

@@ -7,11 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
+from conftest import ROOT, cli_flags, read_metrics, train_through_an_empty_step, wait_for_metrics
 
 from model import load_model
 
@@ -52,7 +53,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_ddp_two_ranks_reproduce_the_single_process_curve(corpus, tmp_path, accum):
     single(args(corpus, tmp_path, "single", batch_size=8, accumulation_steps=accum))
     res = torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, accumulation_steps=accum))
-    assert '"world_size": 2' in res.stderr and "DDPBackend" in res.stderr
+    assert '"world_size": 2' in res.stderr and '"backend": "ddp"' in res.stderr
     a, b = losses(tmp_path / "single"), losses(tmp_path / "ddp")
     assert len(a) == len(b) == 6
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
@@ -127,7 +128,7 @@ def test_deepspeed_launcher_and_plain_python(corpus, tmp_path):
     res = subprocess.run([sys.executable, "train_pretrain.py", *args(corpus, tmp_path, "p", batch_size=4), *ds],
                          cwd=ROOT, env=env_free, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]  # no launcher, no mpi4py: still a one-process run
-    assert "DeepSpeedBackend" in res.stderr
+    assert '"backend": "deepspeed"' in res.stderr
 
 
 def test_existing_run_stops_every_rank_at_once(corpus, tmp_path):
@@ -158,3 +159,37 @@ def test_srun_tasks_get_the_launchers_rendezvous(monkeypatch):
     assert (env.rank, env.local_rank, env.world_size, env.launcher) == (1, 1, 2, "slurm")
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("1", "1", "2")
     assert os.environ["MASTER_PORT"] == str(rendezvous_port("12345")) == "32345"
+
+
+def _empty_step_with_deepspeed(argv: list[str], env: dict[str, str], results) -> None:
+    """In a forked child: DeepSpeed keeps process-wide state that a second engine in one process trips over."""
+    os.environ.update(env)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            results.put(train_through_an_empty_step(argv, monkeypatch))
+    except BaseException:  # report it instead of leaving the parent waiting
+        results.put(traceback.format_exc())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepspeed_skips_a_step_without_targets(corpus, tmp_path, dtype):
+    """DeepSpeed applies the same rule as the other backends: no target anywhere, no update (one rank, in a
+    forked process). ZeRO skips non-finite steps itself, in fp32 (via the grad norm) and in bf16."""
+    pytest.importorskip("deepspeed")
+    import multiprocessing
+
+    from trainer_utils.distributed import _free_port
+    env = {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    argv = args(corpus, tmp_path, "ds", max_steps=1, batch_size=4, dtype=dtype) + ["--deepspeed",
+                                                                                   "launch/ds_zero2.json"]
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=_empty_step_with_deepspeed, args=(argv, env, results))
+    child.start()
+    out = results.get(timeout=300)
+    child.join(timeout=60)
+    assert isinstance(out, dict), out
+    assert out["weights_moved"] == [] and out["skipped"] == 1
+    [record] = [r for r in out["records"] if "loss" in r]
+    assert record["loss"] is None and record["skipped_steps"] == 1

@@ -1,8 +1,15 @@
 """Execution backends behind one small interface, so the training loop never changes when scaling out.
 
-The loop only calls: wrap(), no_sync(), backward(), step(), all_reduce_sum(), barrier(), close(), plus
-save_extra()/load_extra() for backends that keep their own checkpoint files. SingleBackend is one process on
-one device; distributed backends subclass it and override what differs.
+A backend is composed of a communicator (`Comm`: who the other ranks are, and the collectives) and a way of
+turning losses into weight updates. The loop calls only:
+
+    wrap(model, optimizer) -> the module to run forward     no_sync(model): accumulation micro-steps
+    backward(loss)                                          step() -> (grad_norm, applied) as device tensors
+    save_state(dir) -> small state for training_state.pt    restore_state(dir, state)
+    all_reduce_sum(t)   barrier()   close()                 rank, world_size, is_main, device, precision
+
+TorchBackend (here) is plain autograd, one process or DDP; DeepSpeedBackend (distributed.py) drives a ZeRO
+engine. A step whose gradients are not finite is never applied, by any backend.
 """
 from __future__ import annotations
 
@@ -12,23 +19,59 @@ from typing import Any
 
 import torch
 
+from common.errors import CheckpointError
+
 from .runtime import Precision
 
 
-class Backend:
-    """Interface the loop is written against. Rank 0 (`is_main`) logs and writes checkpoints."""
+class Comm:
+    """A world of one process: every collective is the identity."""
 
     rank: int = 0
-    world_size: int = 1
     local_rank: int = 0
-    device: torch.device
-    precision: Precision
+    world_size: int = 1
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Backend:
+    """What the loop is written against. Rank 0 (`is_main`) logs and completes checkpoints."""
+
+    name: str  # "single" | "ddp" | "deepspeed", as train_config.json reports it
+
+    def __init__(self, comm: Comm, device: torch.device, precision: Precision) -> None:
+        self.comm, self.device, self.precision = comm, device, precision
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.comm.rank == 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce_sum(tensor)
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def close(self) -> None:
+        self.comm.close()
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """Take ownership of the optimizer; return the module the loop runs forward."""
         raise NotImplementedError
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -38,64 +81,58 @@ class Backend:
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-             skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip, check and apply the accumulated gradients unless they are non-finite (or `skip` is true).
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip and apply the accumulated gradients unless they are non-finite; then clear them.
 
         Returns (grad_norm, applied) as device tensors, so the loop needs no host sync per step.
         """
         raise NotImplementedError
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def save_state(self, checkpoint_dir: Path) -> dict[str, Any]:
+        """Collective (every rank): write what each rank owns into the checkpoint being assembled, and return
+        the small state rank 0 stores in training_state.pt."""
         raise NotImplementedError
 
-    def barrier(self) -> None:
-        pass
+    def restore_state(self, checkpoint_dir: Path, state: dict[str, Any]) -> None:
+        """Restore what save_state wrote (after wrap)."""
+        raise NotImplementedError
 
-    def close(self) -> None:
-        pass
+
+class TorchBackend(Backend):
+    """Plain autograd with optional fp16 loss scaling: one process, or DistributedDataParallel when the
+    communicator has several ranks (gradients averaged, synchronised only on a step's last micro-batch)."""
+
+    def __init__(self, comm: Comm, device: torch.device, precision: Precision, grad_clip: float) -> None:
+        super().__init__(comm, device, precision)
+        self.grad_clip = grad_clip
+        self.optimizer: torch.optim.Optimizer | None = None
 
     @property
-    def owns_optimizer_state(self) -> bool:
-        """True when the backend saves the optimizer itself (collectively, via save_extra)."""
-        return False
+    def ddp(self) -> bool:
+        return self.world_size > 1
 
-    def save_extra(self, checkpoint_dir: Path) -> None:
-        """Write backend-owned state (e.g. sharded optimizer) into a checkpoint being assembled; all ranks."""
-
-    def load_extra(self, checkpoint_dir: Path) -> None:
-        """Restore backend-owned state from a checkpoint."""
-
-    def state_dict_extra(self) -> dict[str, Any]:
-        """Small backend state stored in training_state.pt (the fp16 loss scaler)."""
-        return {"scaler": self.precision.scaler.state_dict()}
-
-    def load_state_dict_extra(self, state: dict[str, Any]) -> None:
-        if state.get("scaler"):
-            self.precision.scaler.load_state_dict(state["scaler"])
-
-
-class SingleBackend(Backend):
-    """One process, one device: plain autograd with optional fp16 loss scaling."""
-
-    def __init__(self, device: torch.device, precision: Precision) -> None:
-        self.device, self.precision = device, precision
+    @property
+    def name(self) -> str:
+        return "ddp" if self.ddp else "single"
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        return model
+        self.optimizer = optimizer
+        if not self.ddp:
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return model.no_sync() if self.ddp else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.scaler.scale(loss).backward()
 
-    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-             skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        scaler = self.precision.scaler
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        optimizer, scaler = self.optimizer, self.precision.scaler
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
         if scaler.is_enabled():
             # fp16: the scaler skips non-finite steps itself (and lowers its scale); read its verdict on device.
             scaler.step(optimizer)
@@ -104,8 +141,6 @@ class SingleBackend(Backend):
             applied = found == 0
         else:
             bad = ~torch.isfinite(norm)
-            if skip is not None:
-                bad = bad | skip
             if optimizer.defaults.get("fused"):
                 # Fused optimizers skip on a device-side flag (the mechanism GradScaler uses): no host sync.
                 optimizer.grad_scale, optimizer.found_inf = None, bad.float()
@@ -117,6 +152,14 @@ class SingleBackend(Backend):
         optimizer.zero_grad(set_to_none=True)
         return norm.detach(), applied
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def save_state(self, checkpoint_dir: Path) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.precision.scaler.state_dict()}
 
+    def restore_state(self, checkpoint_dir: Path, state: dict[str, Any]) -> None:
+        if "optimizer" not in state:
+            raise CheckpointError(f"{checkpoint_dir}: written by DeepSpeed (optimizer shards in deepspeed/); resume "
+                                  "it with --deepspeed, or start a new run from its weights with --init_from")
+        self.optimizer.load_state_dict(state["optimizer"])
+        scaler = state.get("scaler") or state.get("backend", {}).get("scaler")  # older checkpoints nest it
+        if scaler:
+            self.precision.scaler.load_state_dict(scaler)

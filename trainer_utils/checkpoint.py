@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from dataset.jsonl import write_atomic
-from model.inference import TRAIN_INFO_NAME
-from model.loading import LATEST_NAME, save_model
+from common.errors import CheckpointError
+from common.files import LATEST_NAME, TRAIN_INFO_NAME, write_atomic
+from model.loading import save_model
 
 STATE_NAME = "training_state.pt"
 CHECKPOINTS = "checkpoints"
@@ -45,20 +45,23 @@ def staging_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f".tmp-step_{step:08d}"
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_state: dict[str, Any] | None,
-                    info: dict[str, Any], tokenizer_dir: Path | None, keep_last: int = 3,
-                    staged: bool = False) -> Path:
-    """Write checkpoint `step` atomically and point `latest` at it; return its directory.
+def new_staging_dir(run_dir: Path, step: int) -> Path:
+    """An empty staging_dir (debris of an earlier crash at this same step removed); rank 0 calls it."""
+    tmp = staging_dir(run_dir, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
 
-    staged=True keeps what other ranks already wrote into staging_dir (e.g. DeepSpeed optimizer shards).
-    """
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_state: dict[str, Any] | None,
+                    info: dict[str, Any], tokenizer_dir: Path | None, keep_last: int = 3) -> Path:
+    """Complete checkpoint `step` in its staging_dir (which may already hold other ranks' files), rename it into
+    place atomically and point `latest` at it; return its directory."""
     root = run_dir / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final = root / name
     tmp = staging_dir(run_dir, step)
-    if not staged:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash at this same step
+    tmp.mkdir(parents=True, exist_ok=True)
     try:
         save_model(model, tmp, tokenizer_dir=tokenizer_dir)
         (tmp / TRAIN_INFO_NAME).write_text(json.dumps({**info, "step": step}, indent=2) + "\n")
@@ -91,13 +94,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     target = run_dir / pointer.read_text().strip()
     if not target.is_dir():
-        raise SystemExit(f"error: {pointer} points at {target}, which does not exist")
+        raise CheckpointError(f"{pointer} points at {target}, which does not exist")
     return target
 
 
 def load_training_state(checkpoint_dir: Path) -> dict[str, Any]:
     path = checkpoint_dir / STATE_NAME
     if not path.is_file():
-        raise SystemExit(f"error: {checkpoint_dir} has no {STATE_NAME}; it can be used with --init_from, not "
-                         "--resume")
+        raise CheckpointError(f"{checkpoint_dir} has no {STATE_NAME}; it can be used with --init_from, not "
+                              "--resume")
     return torch.load(path, map_location="cpu", weights_only=True)

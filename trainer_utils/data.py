@@ -12,7 +12,6 @@ from typing import Iterator
 
 import torch
 
-from dataset.tokenizer import IGNORE_INDEX
 
 
 class StepFeeder:
@@ -29,19 +28,17 @@ class StepFeeder:
         self._thread = threading.Thread(target=self._produce, args=(cursor,), daemon=True)
         self._thread.start()
 
-    def _read(self, start: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
-        out, n_valid, n_input = [], 0, 0
+    def _read(self, start: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        out, n_input = [], 0
         for m in range(self.accum):
             first = start + (m * self.world_size + self.rank) * self.batch_size
             indices = self.dataset.global_indices(first, self.batch_size)
             x, y = self.dataset.batch(indices)
-            # counted here, on the host: no device sync later
-            n_valid += int((y != IGNORE_INDEX).sum())
-            n_input += self.dataset.input_tokens(indices)
+            n_input += self.dataset.input_tokens(indices)  # counted here, on the host: no device sync later
             if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
                 x, y = x.pin_memory(), y.pin_memory()
             out.append((x, y))
-        return out, n_valid, n_input
+        return out, n_input
 
     def _produce(self, start: int) -> None:
         try:
@@ -57,15 +54,15 @@ class StepFeeder:
         except BaseException as e:  # surface data errors in the training thread
             self._queue.put(e)
 
-    def next_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
-        """This rank's micro-batches for the next step, their valid targets and their non-padding inputs."""
+    def next_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """This rank's micro-batches for the next step and their number of non-padding input tokens."""
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        micro, n_valid, n_input = item
+        micro, n_input = item
         self.cursor += self.samples_per_step
         micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in micro]
-        return micro, n_valid, n_input
+        return micro, n_input
 
     def close(self) -> None:
         self._stop.set()

@@ -3,15 +3,15 @@
 Launchers are recognised from their environment:
     torchrun / deepspeed   RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     srun (Slurm)           SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS (+ the rendezvous derived below)
-    nothing                one process: SingleBackend
+    nothing                one process: TorchBackend over a one-process Comm
 NCCL is used on CUDA, gloo on CPU. Every collective has a timeout, so a dead rank makes the others fail with a
-message instead of hanging forever.
+message instead of hanging forever. Backends are composed: a communicator (Comm, DistComm) plus TorchBackend
+(autograd, DDP when there are several ranks) or DeepSpeedBackend.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import subprocess
 from dataclasses import dataclass
@@ -21,11 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from launch.slurm import rendezvous_port
+from common.errors import CheckpointError
+from common.files import rendezvous_port
 from model.inference import resolve_device
 
-from .backend import Backend, SingleBackend
-from .runtime import Precision, resolve_dtype, set_cuda_tf32
+from .backend import Backend, Comm, TorchBackend
+from .config import TrainConfig
+from .runtime import Precision, set_cuda_tf32
 
 
 @dataclass
@@ -69,8 +71,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _device_for(env: DistEnv, requested: str) -> torch.device:
-    device = resolve_device(requested)  # check_args has already rejected an unusable --device
+def device_for(env: DistEnv, requested: str) -> torch.device:
+    """This process's device: the requested one, or the local rank's GPU. ConfigError if it is unusable."""
+    device = resolve_device(requested)
     if device.type == "cuda":
         # one GPU per process: local rank picks it unless the user pinned one explicitly
         device = torch.device("cuda", env.local_rank if device.index is None else device.index)
@@ -78,23 +81,16 @@ def _device_for(env: DistEnv, requested: str) -> torch.device:
     return device
 
 
-class DDPBackend(SingleBackend):
-    """DistributedDataParallel: gradients averaged across ranks, synchronised only on the last micro-batch."""
+class DistComm(Comm):
+    """torch.distributed collectives (NCCL on CUDA, gloo on CPU), each with a timeout. Joins the process group
+    when one already exists (DeepSpeed starts its own)."""
 
-    def __init__(self, env: DistEnv, device: torch.device, precision: Precision, timeout_s: int) -> None:
-        super().__init__(device, precision)
+    def __init__(self, env: DistEnv, device: torch.device, timeout_s: int) -> None:
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
                                     world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=device if device.type == "cuda" else None)
-
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-
-    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        return model.no_sync()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor)
@@ -108,49 +104,45 @@ class DDPBackend(SingleBackend):
             dist.destroy_process_group()
 
 
-class DeepSpeedBackend(DDPBackend):
-    """DeepSpeed ZeRO (stage from the JSON file): sharded optimizer state, engine-owned checkpoints.
+class DeepSpeedBackend(Backend):
+    """DeepSpeed ZeRO (stage from the JSON file): sharded optimizer state, engine-owned checkpoint shards.
 
     Our flags override the file for everything the loop also controls (micro-batch, accumulation, clipping,
     precision); the file supplies the ZeRO settings (stage, offload, bucket sizes).
     """
 
-    def __init__(self, env: DistEnv, device: torch.device, precision: Precision, timeout_s: int, args: Any) -> None:
+    name = "deepspeed"
+
+    def __init__(self, env: DistEnv, device: torch.device, precision: Precision, config: TrainConfig) -> None:
         import deepspeed  # imported here so the other backends never need it
 
-        SingleBackend.__init__(self, device, precision)  # not DDPBackend's: DeepSpeed starts its own group
-        self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
-        if precision.dtype == torch.float16:
-            raise SystemExit("error: use --dtype bfloat16 or float32 with --deepspeed (DeepSpeed does its own "
-                             "fp16 loss scaling, which the loop does not drive)")
-        try:
-            self.config = json.loads(Path(args.deepspeed).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SystemExit(f"error: --deepspeed {args.deepspeed}: {e}") from None
-        self.config.update({
-            "train_micro_batch_size_per_gpu": args.batch_size,
-            "gradient_accumulation_steps": args.accumulation_steps,
-            "train_batch_size": args.batch_size * args.accumulation_steps * env.world_size,
-            "gradient_clipping": args.grad_clip,
+        o = config.optim
+        self.ds_config = config.precision.deepspeed_config()
+        self.ds_config.update({
+            "train_micro_batch_size_per_gpu": o.batch_size,
+            "gradient_accumulation_steps": o.accumulation_steps,
+            "train_batch_size": o.batch_size * o.accumulation_steps * env.world_size,
+            "gradient_clipping": o.grad_clip,
             "bf16": {"enabled": precision.dtype == torch.bfloat16},
-            "fp16": {"enabled": False},
+            "fp16": {"enabled": False},  # TrainConfig.check refuses float16 with DeepSpeed
             "zero_allow_untested_optimizer": True,  # our torch AdamW/SGD, so flags and schedule stay ours
         })
-        self.config.pop("optimizer", None)
-        self.config.pop("scheduler", None)
+        self.ds_config.pop("optimizer", None)
+        self.ds_config.pop("scheduler", None)
         if not dist.is_initialized():
             if env.launcher == "none":  # plain `python`: a one-process group on this machine, no MPI lookup
                 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
                 os.environ.setdefault("MASTER_PORT", str(_free_port()))
                 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False,
-                                       timeout=datetime.timedelta(seconds=timeout_s), rank=env.rank,
-                                       world_size=env.world_size)
-        self.engine = None
+                                       timeout=datetime.timedelta(seconds=config.precision.dist_timeout),
+                                       rank=env.rank, world_size=env.world_size)
+        super().__init__(DistComm(env, device, config.precision.dist_timeout), device, precision)
+        self.engine: Any = None
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         import deepspeed
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         return self.engine
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -159,47 +151,34 @@ class DeepSpeedBackend(DDPBackend):
     def backward(self, loss: torch.Tensor) -> None:
         # The loop already normalised the loss over the whole step; stop DeepSpeed dividing by the
         # accumulation steps again. step() after every micro-batch is DeepSpeed's protocol: it only updates
-        # at the accumulation boundary.
+        # at the accumulation boundary (and skips the update when the gradients are not finite).
         self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 
-    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-             skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         # The engine already stepped (at the accumulation boundary, inside backward()).
         norm = self.engine.get_global_grad_norm()
         norm = torch.as_tensor(float("nan") if norm is None else norm, device=self.device, dtype=torch.float32)
         overflow = bool(getattr(self.engine.optimizer, "overflow", False))
         return norm, torch.tensor(not overflow, device=self.device)
 
-    def state_dict_extra(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict_extra(self, state: dict[str, Any]) -> None:
-        pass
-
-    @property
-    def owns_optimizer_state(self) -> bool:
-        return True
-
-    def save_extra(self, checkpoint_dir: Path) -> None:
+    def save_state(self, checkpoint_dir: Path) -> dict[str, Any]:
         # Collective: every rank writes its optimizer shard.
         self.engine.save_checkpoint(str(checkpoint_dir), tag="deepspeed", save_latest=False)
+        return {}
 
-    def load_extra(self, checkpoint_dir: Path) -> None:
+    def restore_state(self, checkpoint_dir: Path, state: dict[str, Any]) -> None:
         path, _ = self.engine.load_checkpoint(str(checkpoint_dir), tag="deepspeed", load_module_strict=True)
         if path is None:
-            raise SystemExit(f"error: {checkpoint_dir} holds no DeepSpeed state (was it saved without --deepspeed?)")
+            raise CheckpointError(f"{checkpoint_dir} holds no DeepSpeed state (was it saved without --deepspeed?); "
+                                  "resume it without --deepspeed, or start a new run with --init_from")
 
 
-def make_backend(args: Any) -> Backend:
-    """The backend for this process, chosen from the flags and the launcher's environment."""
-    env = detect_env()
-    device = _device_for(env, args.device)
+def make_backend(config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision) -> Backend:
+    """The backend for this process, from the flags and the launcher's environment."""
     if device.type == "cuda":
-        set_cuda_tf32(args.tf32)
-    precision = Precision(device, resolve_dtype(args.dtype, device))
-    if args.deepspeed:
-        return DeepSpeedBackend(env, device, precision, args.dist_timeout, args)
-    if env.world_size > 1:
-        return DDPBackend(env, device, precision, args.dist_timeout)
-    return SingleBackend(device, precision)
+        set_cuda_tf32(config.precision.tf32)
+    if config.precision.deepspeed:
+        return DeepSpeedBackend(env, device, precision, config)
+    comm = DistComm(env, device, config.precision.dist_timeout) if env.world_size > 1 else Comm()
+    return TorchBackend(comm, device, precision, config.optim.grad_clip)

@@ -1,13 +1,15 @@
 """The one training loop shared by pretraining and SFT, and the session that sets it up.
 
-Session: run directory, tokenizer, tokenize-once data, backend, model (new, from --init_from, or resumed).
+Session: checks what needs the device, then the run directory, tokenizer, model config (new, from --init_from,
+or resumed), tokenize-once data, and the backend, in that order (data preparation is file-locked and happens
+before any process group exists).
 Trainer.fit(): for each optimizer step, take this rank's micro-batches from the global cursor, normalise the
 loss by the valid target tokens of the whole step (all micro-batches, all ranks), backward with no_sync on
-all but the last micro-batch, clip and step (skipping non-finite steps), log, evaluate and checkpoint.
+all but the last micro-batch, clip and step (skipping non-finite steps), then log, evaluate and checkpoint
+when due.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -22,91 +24,136 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dataset.cache import prepare
+from common.config import RESOLVED_KEY, to_dict
+from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
+from common.files import TRAIN_CONFIG_NAME, write_atomic
+from dataset.config import prepare_data
 from dataset.datasets import PretrainDataset, SFTDataset
-from dataset.jsonl import DataError
-from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer, TokenizerError
-from model import ConfigError, ModelConfig, PocketLM, get_preset
-from model.loading import CheckpointError, load_state_into, read_state_dict, resolve_model_dir
+from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
+from model import ModelConfig, PocketLM, get_preset
+from model.config import architecture, model_name
+from model.loading import load_state_into, read_state_dict, resolve_model_dir
 
 from .backend import Backend
-from .checkpoint import latest_checkpoint, load_training_state, save_checkpoint, staging_dir
-from .distributed import detect_env, make_backend
+from .checkpoint import latest_checkpoint, load_training_state, new_staging_dir, save_checkpoint, staging_dir
+from .config import DEFAULT_PRESET, ModelOptions, TrainConfig, parse_train_config
 from .data import StepFeeder, eval_batches
+from .distributed import detect_env, device_for, make_backend
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .optim import WarmupCosine, build_optimizer
-from .runtime import StopSignal, rng_state, seed_everything, set_rng_state
+from .runtime import Precision, StopSignal, resolve_dtype, rng_state, seed_everything, set_rng_state
 
 OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and more --accumulation_steps "
             "(same effective batch), --grad_checkpointing, or a shorter --max_seq_len. The last checkpoint "
             "is intact.")
 
 
+def new_model_config(options: ModelOptions, vocab_size: int | None = None) -> ModelConfig:
+    """The config of a new model: the preset, reshaped by --hidden_size / --num_hidden_layers / --max_seq_len,
+    with the tokenizer's vocabulary (None: the preset's)."""
+    preset = get_preset(options.preset or DEFAULT_PRESET)
+    overrides: dict[str, Any] = {k: getattr(options, k) for k in ("hidden_size", "num_hidden_layers", "dropout")
+                                 if getattr(options, k) is not None}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size  # the embedding table matches the tokenizer actually used
+    if options.max_seq_len is not None:
+        overrides["max_seq_len"] = options.max_seq_len
+        overrides["max_position_embeddings"] = max(preset.max_position_embeddings, options.max_seq_len)
+    if options.hidden_size is not None:
+        # keep the preset's head size when only the width changes
+        heads = max(1, options.hidden_size // preset.head_dim)
+        kv = preset.num_key_value_heads
+        overrides.update(num_attention_heads=heads, num_key_value_heads=kv if heads % kv == 0 else heads)
+    return get_preset(options.preset or DEFAULT_PRESET, **overrides)
+
+
+def check_resumed_model(options: ModelOptions, saved: ModelConfig, run_dir: Path) -> None:
+    """ConfigError when model flags given with --resume describe another model than the run being resumed
+    (they cannot take effect). Flags that agree with it are fine: Slurm requeues repeat the whole command."""
+    given = [k for k in (*ModelOptions.SHAPE_FLAGS, "dropout") if getattr(options, k) is not None]
+    if not given:
+        return
+    described = new_model_config(options, saved.vocab_size)
+    if options.dropout is None:
+        described.dropout = saved.dropout
+    differ = {k: (v, getattr(saved, k)) for k, v in architecture(described).items() if getattr(saved, k) != v}
+    if described.dropout != saved.dropout:
+        differ["dropout"] = (described.dropout, saved.dropout)
+    if differ:
+        what = ", ".join(f"{k} {new} (the run has {old})" for k, (new, old) in differ.items())
+        raise ConfigError(f"{', '.join('--' + k for k in given)} cannot take effect with --resume: they describe "
+                          f"{what}; the model of {run_dir} is fixed. Drop them, or start a new run")
+
+
 class Session:
     """Everything a training run needs before the first step, built in an order that is safe under
     multi-process launchers: data preparation (file-locked) before the process group exists."""
 
-    def __init__(self, args: argparse.Namespace, stage: str) -> None:
-        self.args, self.stage = args, stage
-        seed_everything(args.seed)
-        self.run_dir = Path(args.out_dir) / (args.run_name or f"{stage}-{args.preset}")
-        self.resume_from = latest_checkpoint(self.run_dir) if args.resume else None
-        if args.resume and self.resume_from is None:
+    def __init__(self, config: TrainConfig, stage: str) -> None:
+        self.config, self.stage = config, stage
+        m, run = config.model, config.run
+        # Flags that need the device are checked before anything slow.
+        self.env = detect_env()
+        self.device = device_for(self.env, config.precision.device)
+        self.precision = Precision(self.device, resolve_dtype(config.precision.dtype, self.device))
+        seed_everything(config.optim.seed)
+
+        self.init_dir = resolve_model_dir(m.init_from) if m.init_from else None
+        init_config = ModelConfig.load(self.init_dir / "config.json") if self.init_dir else None
+        # the default name describes the model actually trained (the init checkpoint's, or the new one's)
+        name = run.run_name or f"{stage}-{model_name(init_config or new_model_config(m))}"
+        self.run_dir = Path(run.out_dir) / name
+        self.resume_from = latest_checkpoint(self.run_dir) if run.resume else None
+        if run.resume and self.resume_from is None:
             print(f"--resume: no checkpoint in {self.run_dir} yet; starting a new run", file=sys.stderr)
-        init_dir = resolve_model_dir(args.init_from) if getattr(args, "init_from", None) else None
-        if self.resume_from is not None:
-            default_tok = self.resume_from
-        else:
-            default_tok = init_dir if init_dir is not None and (init_dir / "tokenizer.json").exists() \
-                else DEFAULT_TOKENIZER_DIR
-        self.tokenizer = Tokenizer(args.tokenizer or default_tok)
-        self.model_config = self._model_config(init_dir)
+
+        if stage == "sft" and self.init_dir is None and self.resume_from is None:
+            print("note: no --init_from; fine-tuning a randomly initialised model", file=sys.stderr)
+        self.tokenizer = Tokenizer(config.data.tokenizer or self._default_tokenizer())
+        self.model_config = self._model_config(init_config)
         self.tokenizer.check_fits(self.model_config.vocab_size)
-        self.max_seq_len = args.max_seq_len or self.model_config.max_seq_len
+        self.max_seq_len = m.max_seq_len or self.model_config.max_seq_len
         if self.max_seq_len > self.model_config.max_position_embeddings:
             raise ConfigError(f"--max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                               f"({self.model_config.max_position_embeddings})")
         # Every rank checks (before any collective exists, so all stop together); only rank 0 deletes.
-        if not args.resume and (self.run_dir / "latest").exists():
-            if not args.overwrite:
-                raise SystemExit(f"error: {self.run_dir} already holds a run; pass --resume to continue it, "
-                                 "--overwrite to replace it, or --run_name to start another")
-            if detect_env().rank == 0:
+        if not run.resume and (self.run_dir / "latest").exists():
+            if not run.overwrite:
+                raise ConfigError(f"{self.run_dir} already holds a run; pass --resume to continue it, "
+                                  "--overwrite to replace it, or --run_name to start another")
+            if self.env.rank == 0:
                 shutil.rmtree(self.run_dir)
         self.train_data, self.val_data = self._datasets()
-        self.backend: Backend = make_backend(args)
-        self.init_dir = init_dir
+        self.backend: Backend = make_backend(config, self.env, self.device, self.precision)
 
-    def _model_config(self, init_dir: Path | None) -> ModelConfig:
-        a = self.args
+    def _default_tokenizer(self) -> Path:
         if self.resume_from is not None:
-            return ModelConfig.load(self.resume_from / "config.json")
-        if init_dir is not None:
-            return ModelConfig.load(init_dir / "config.json")
-        preset = get_preset(a.preset)
-        overrides = {k: getattr(a, k) for k in ("hidden_size", "num_hidden_layers", "dropout")
-                     if getattr(a, k) is not None}
-        if a.max_seq_len is not None:
-            overrides["max_seq_len"] = a.max_seq_len
-            overrides["max_position_embeddings"] = max(preset.max_position_embeddings, a.max_seq_len)
-        if a.hidden_size is not None:
-            # keep the preset's head size when only the width changes
-            heads = max(1, a.hidden_size // preset.head_dim)
-            kv = preset.num_key_value_heads
-            overrides.update(num_attention_heads=heads, num_key_value_heads=kv if heads % kv == 0 else heads)
-        # the embedding table matches the tokenizer actually used
-        return get_preset(a.preset, vocab_size=self.tokenizer.vocab_size, **overrides)
+            return self.resume_from
+        if self.init_dir is not None and (self.init_dir / "tokenizer.json").exists():
+            return self.init_dir
+        return DEFAULT_TOKENIZER_DIR
+
+    def _model_config(self, init_config: ModelConfig | None) -> ModelConfig:
+        m = self.config.model
+        if self.resume_from is not None:
+            saved = ModelConfig.load(self.resume_from / "config.json")
+            check_resumed_model(m, saved, self.run_dir)
+            return saved
+        if init_config is not None:
+            if m.dropout is not None:  # a training choice, not the shape: it takes effect on loaded weights too
+                init_config.dropout = m.dropout
+            return init_config
+        return new_model_config(m, self.tokenizer.vocab_size)
 
     def _datasets(self) -> tuple[Any, Any]:
-        a = self.args
+        o = self.config.optim
         kind = "sft" if self.stage == "sft" else "pretrain"
-        extra = {"max_seq_len": self.max_seq_len, "overlong": a.overlong} if kind == "sft" else {}
-        cache = prepare(a.data_path, self.tokenizer, kind, a.val_fraction, a.seed, a.num_workers,
-                        a.skip_bad_lines, a.cache_dir, log=lambda m: print(m, file=sys.stderr), **extra)
+        cache = prepare_data(self.config.data, self.tokenizer, kind, self.max_seq_len,
+                             log=lambda msg: print(msg, file=sys.stderr))
         if kind == "sft":
-            make = lambda split: SFTDataset(cache, split, a.batch_size, a.seed, self.tokenizer.pad_id)  # noqa: E731
+            make = lambda split: SFTDataset(cache, split, o.batch_size, o.seed, self.tokenizer.pad_id)  # noqa: E731
         else:
-            make = lambda split: PretrainDataset(cache, split, self.max_seq_len, a.seed)  # noqa: E731
+            make = lambda split: PretrainDataset(cache, split, self.max_seq_len, o.seed)  # noqa: E731
         val = make("val") if cache.meta["splits"]["val"]["documents"] else None
         if val is not None and len(val) == 0:
             val = None
@@ -123,38 +170,52 @@ class Trainer:
     """Runs optimizer steps until max_steps, a stop signal, or too many consecutive non-finite steps."""
 
     def __init__(self, session: Session) -> None:
-        s, a = session, session.args
-        self.s, self.a, self.backend = s, a, s.backend
+        s, c = session, session.config
+        self.s, self.config, self.backend = s, c, s.backend
         self.device, self.precision = s.backend.device, s.backend.precision
-        seed_everything(a.seed)
+        o = c.optim
+        seed_everything(o.seed)
         self.model = s.build_model().to(self.device)
-        self.model.set_gradient_checkpointing(a.grad_checkpointing)
-        self.optimizer = build_optimizer(self.model, a.optimizer, a.learning_rate, a.weight_decay,
-                                         (a.beta1, a.beta2), a.momentum, self.device)
+        self.model.set_gradient_checkpointing(c.model.grad_checkpointing)
+        self.optimizer = build_optimizer(self.model, o.optimizer, o.learning_rate, o.weight_decay,
+                                         (o.beta1, o.beta2), o.momentum, self.device, o.adam_eps)
         world = self.backend.world_size
-        self.samples_per_step = a.batch_size * a.accumulation_steps * world
+        self.samples_per_step = o.batch_size * o.accumulation_steps * world
         steps_per_epoch = max(1, len(s.train_data) // self.samples_per_step)
-        self.total_steps = a.max_steps or a.epochs * steps_per_epoch
-        warmup = a.warmup_steps if a.warmup_steps is not None else int(a.warmup_ratio * self.total_steps)
-        min_lr = a.min_lr if a.min_lr is not None else a.learning_rate / 10
-        self.scheduler = WarmupCosine(self.optimizer, a.learning_rate, min_lr, warmup, self.total_steps)
-        self.step, self.cursor, self.tokens_seen, self.bad_in_a_row, self.skipped = 0, 0, 0, 0, 0
-        forward_model = torch.compile(self.model) if a.compile else self.model
+        self.total_steps = o.max_steps or o.epochs * steps_per_epoch
+        warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * self.total_steps)
+        min_lr = o.min_lr if o.min_lr is not None else o.learning_rate / 10
+        self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, self.total_steps)
+        # the parameter through which an empty step's gradients are made NaN (see train_step)
+        self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
+        forward_model = torch.compile(self.model) if c.model.compile else self.model
         self.forward_model = self.backend.wrap(forward_model, self.optimizer)
+
+        # Progress. The running totals live on the device and are read once per log interval (no host sync
+        # per step); the plain numbers are what checkpoints and the log read.
+        self.step, self.cursor, self.tokens_seen, self.skipped, self.bad_in_a_row = 0, 0, 0, 0, 0
+        self.val_loss: float | None = None
+        self.last_saved = -1
+        zero = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
+        self.counters = {"tokens_seen": zero(), "skipped": zero(), "bad_in_a_row": zero(), "grad_norm": zero()}
+        self.window = {"loss": zero(), "valid": zero(), "tokens": 0, "wait": 0.0, "t0": time.perf_counter(),
+                       "steps": 0}
         if s.resume_from is not None:  # after wrap: a DeepSpeed engine restores into itself
             self._restore(s.resume_from)
+        self.logger: MetricsLogger | None = None
+
         cfg = self.model.config
         self.flops_per_token = flops_per_token(cfg, s.max_seq_len)
         self.peak = peak_flops(self.device)
         self.resolved = {"stage": s.stage, "run_dir": str(s.run_dir), "device": str(self.device),
                          "dtype": str(self.precision.dtype).removeprefix("torch."), "world_size": world,
-                         "backend": type(self.backend).__name__, "total_steps": self.total_steps,
+                         "backend": self.backend.name, "total_steps": self.total_steps,
                          "steps_per_epoch": steps_per_epoch, "samples_per_step": self.samples_per_step,
                          "tokens_per_step": self.samples_per_step * s.max_seq_len, "max_seq_len": s.max_seq_len,
                          "warmup_steps": warmup, "min_lr": min_lr, "train_samples": len(s.train_data),
                          "val_samples": len(s.val_data) if s.val_data is not None else 0,
                          "tokenizer": str(s.tokenizer.path), "tokenizer_sha256": s.tokenizer.sha256,
-                         "model": cfg.to_dict(), "parameters": cfg.num_parameters(), "args": vars(a)}
+                         "model": cfg.to_dict(), "parameters": cfg.num_parameters()}
 
     # ------------------------------------------------------------------------- state
     def _restore(self, ckpt: Path) -> None:
@@ -163,45 +224,41 @@ class Trainer:
         if state.get("tokenizer_sha256") not in (None, self.s.tokenizer.sha256):
             raise TokenizerError(f"{ckpt}: trained with another tokenizer (sha256 {state['tokenizer_sha256'][:12]}"
                                  f"), not {self.s.tokenizer.path}")
-        if not self.backend.owns_optimizer_state:
-            if "optimizer" not in state:
-                raise CheckpointError(f"{ckpt}: written by DeepSpeed (optimizer shards in deepspeed/); resume it "
-                                      "with --deepspeed, or start a new run from its weights with --init_from")
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.backend.restore_state(ckpt, state)
         self.scheduler.load_state_dict(state["scheduler"])
-        self.backend.load_state_dict_extra(state.get("backend", {}))
-        self.backend.load_extra(ckpt)
         self.step, self.cursor, self.tokens_seen = state["step"], state["cursor"], state["tokens_seen"]
+        self.counters["tokens_seen"] += self.tokens_seen
         set_rng_state(state["rng"])
         if state.get("world_size") != self.backend.world_size and self.backend.is_main:
             print(f"resuming a {state.get('world_size')}-rank run on {self.backend.world_size} ranks: the "
                   f"sample cursor ({self.cursor}) carries over; the effective batch is now "
                   f"{self.samples_per_step}", file=sys.stderr)
 
-    def save(self, val_loss: float | None = None) -> None:
-        """Checkpoint (collective): backend shards first on every rank, then rank 0 completes and publishes."""
-        backend, staged = self.backend, self.backend.owns_optimizer_state
-        if hasattr(self, "counters"):
-            self._sync_counters()
-        if staged:
-            staging = staging_dir(self.s.run_dir, self.step)
-            if backend.is_main:
-                shutil.rmtree(staging, ignore_errors=True)
-                staging.mkdir(parents=True)
-            backend.barrier()
-            backend.save_extra(staging)
-            backend.barrier()
+    def save(self) -> None:
+        """Checkpoint (collective): every rank writes what it owns into the staging directory, then rank 0
+        completes it and publishes it."""
+        backend = self.backend
+        self._sync_counters()
         if backend.is_main:
-            state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "cursor": self.cursor,
-                     "tokens_seen": self.tokens_seen, "rng": rng_state(), "backend": backend.state_dict_extra(),
-                     "world_size": backend.world_size, "tokenizer_sha256": self.s.tokenizer.sha256,
-                     "args": vars(self.a)}
-            if not staged:
-                state["optimizer"] = self.optimizer.state_dict()
-            info = {"stage": self.s.stage, "tokens_seen": self.tokens_seen, "val_loss": val_loss}
-            save_checkpoint(self.s.run_dir, self.step, self.model, state, info, self.s.tokenizer.path,
-                            self.a.keep_last, staged=staged)
+            new_staging_dir(self.s.run_dir, self.step)
         backend.barrier()
+        backend_state = backend.save_state(staging_dir(self.s.run_dir, self.step))
+        backend.barrier()
+        if backend.is_main:
+            state = {**backend_state, "scheduler": self.scheduler.state_dict(), "step": self.step,
+                     "cursor": self.cursor, "tokens_seen": self.tokens_seen, "rng": rng_state(),
+                     "world_size": backend.world_size, "tokenizer_sha256": self.s.tokenizer.sha256,
+                     "config": to_dict(self.config, self.s.stage)}
+            info = {"stage": self.s.stage, "tokens_seen": self.tokens_seen, "val_loss": self.val_loss}
+            save_checkpoint(self.s.run_dir, self.step, self.model, state, info, self.s.tokenizer.path,
+                            self.config.run.keep_last)
+        backend.barrier()
+        self.last_saved = self.step
+
+    def write_run_config(self) -> None:
+        """train_config.json: the run's settings (a valid --config that reproduces it) and what it derived."""
+        config = {**to_dict(self.config, self.s.stage), RESOLVED_KEY: self.resolved}
+        write_atomic(self.s.run_dir / TRAIN_CONFIG_NAME, json.dumps(config, indent=2, default=str) + "\n")
 
     # -------------------------------------------------------------------------- eval
     @torch.no_grad()
@@ -210,8 +267,8 @@ class Trainer:
             return None
         self.model.eval()
         total = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for x, y in eval_batches(self.s.val_data, self.a.batch_size, self.a.eval_batches, self.backend.rank,
-                                 self.backend.world_size):
+        for x, y in eval_batches(self.s.val_data, self.config.optim.batch_size, self.config.run.eval_batches,
+                                 self.backend.rank, self.backend.world_size):
             x, y = x.to(self.device), y.to(self.device)
             with self.precision.autocast():
                 logits = self.model(x)
@@ -224,9 +281,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------- train
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], n_valid: torch.Tensor) -> torch.Tensor:
-        """Forward/backward every micro-batch, then one optimizer step; returns the summed token loss."""
+        """Forward/backward every micro-batch, then one optimizer step; returns the summed token loss.
+
+        Gradients are of sum(token losses) / n_valid. A step with no target anywhere (n_valid == 0) has
+        nothing to learn from, yet an optimizer step would still apply weight decay and momentum. Its gradients
+        are made NaN instead (through the smallest trainable parameter: free when the step is not empty), so
+        every backend skips it like any other non-finite step, with no host sync to decide.
+        """
         world = self.backend.world_size
         loss_sum = torch.zeros((), device=self.device)
+        scale = world / n_valid.clamp(min=1)  # backends average gradients over ranks; * world: sum / n_valid
+        poison = torch.where(n_valid > 0, 0.0, float("nan"))
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.backend.no_sync(self.forward_model):
@@ -235,87 +300,42 @@ class Trainer:
                 # reduction="sum": a micro-batch without targets adds exactly 0 (a mean would be 0/0 = NaN)
                 token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
                                              reduction="sum")
-                # Backends average gradients over ranks; scaling by world makes the result sum / n_valid.
-                self.backend.backward(token_loss * (world / n_valid))
+                loss = token_loss * scale + (poison * self.empty_step_anchor.sum() if last else 0.0)
+                self.backend.backward(loss)
             loss_sum += token_loss.detach()
         return loss_sum
 
     def fit(self) -> int:
-        a, s, backend = self.a, self.s, self.backend
-        logger = MetricsLogger(s.run_dir, backend.is_main, self.total_steps, self.step, self.resolved,
-                               a.use_wandb, a.wandb_project, a.use_tensorboard)
+        """Train to the end (or a stop signal); returns the process exit code."""
+        s, backend = self.s, self.backend
+        run = self.config.run
+        self.logger = MetricsLogger(s.run_dir, backend.is_main, self.total_steps, self.step, self.resolved,
+                                    run.use_wandb, run.wandb_project, run.use_tensorboard)
         if backend.is_main:
-            s.run_dir.mkdir(parents=True, exist_ok=True)
-            (s.run_dir / "train_config.json").write_text(json.dumps(self.resolved, indent=2, default=str) + "\n")
-            logger.message(json.dumps({k: v for k, v in self.resolved.items() if k not in ("args", "model")}))
-        feeder = StepFeeder(s.train_data, a.batch_size, a.accumulation_steps, backend.rank, backend.world_size,
-                            self.cursor, self.device)
-        # Running totals live on the device and are read once per log interval: no host sync per step.
-        zero = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
-        window = {"loss": zero(), "valid": zero(), "tokens": 0, "wait": 0.0, "t0": time.perf_counter(), "steps": 0}
-        self.counters = {"tokens_seen": zero() + self.tokens_seen, "skipped": zero() + self.skipped,
-                         "bad_in_a_row": zero(), "grad_norm": zero()}
-        exit_code, val_loss, last_saved = 0, None, -1
+            self.write_run_config()
+            self.logger.message(json.dumps({k: v for k, v in self.resolved.items() if k != "model"}))
+        feeder = StepFeeder(s.train_data, self.config.optim.batch_size, self.config.optim.accumulation_steps,
+                            backend.rank, backend.world_size, self.cursor, self.device)
+        exit_code = 0
         self.model.train()
         try:
             with StopSignal() as stop:
-                while self.step < self.total_steps:
-                    if backend.world_size > 1 and self.step % a.log_interval == 0:
-                        # ranks agree on stopping (all after the same step), checked once per log interval
-                        flag = torch.tensor(float(stop.received is not None), device=self.device)
-                        if backend.all_reduce_sum(flag).item() > 0:
-                            stop.received = stop.received or "stop signal on another rank"
-                            break
-                    t_wait = time.perf_counter()
-                    micro, local, n_input = feeder.next_step()
-                    window["wait"] += time.perf_counter() - t_wait
-                    if backend.world_size == 1 and local == 0:  # no target in the whole step: nothing to learn
-                        n_local = n_valid = loss_sum = grad_norm = zero()
-                        applied = torch.zeros((), dtype=torch.bool, device=self.device)
-                    else:
-                        n_local = sum((y != IGNORE_INDEX).sum() for _, y in micro).double()
-                        # the valid targets of the whole step, over all ranks, normalise the loss
-                        n_valid = backend.all_reduce_sum(n_local.clone()) if backend.world_size > 1 else n_local
-                        try:
-                            loss_sum = self.train_step(micro, n_valid.float().clamp(min=1))
-                            grad_norm, applied = backend.step(self.forward_model, self.optimizer, a.grad_clip,
-                                                              skip=n_valid == 0)
-                        except torch.cuda.OutOfMemoryError:
-                            raise SystemExit(f"error: {OOM_HELP}") from None
-                    self.step += 1
-                    self.cursor = feeder.cursor
-                    self.scheduler.step()
-                    logger.advance()
-                    ok = applied.double()
-                    window["loss"] += loss_sum * ok
-                    window["valid"] += n_local * ok
-                    c = self.counters
-                    c["tokens_seen"] += n_valid * ok
-                    c["skipped"] += 1 - ok
-                    c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
-                    c["grad_norm"] = grad_norm.double()
-                    window["tokens"] += n_input
-                    window["steps"] += 1
-                    if self.step % a.log_interval == 0 or self.step == self.total_steps:
-                        self._log(logger, window)
-                        if self.bad_in_a_row >= a.max_bad_steps:
-                            logger.message(f"error: {self.bad_in_a_row} consecutive steps had non-finite "
-                                           "gradients; stopping without saving. Try a lower --learning_rate, "
-                                           "--dtype bfloat16 or float32. The last checkpoint is intact.")
+                while self.step < self.total_steps and not self._stop_requested(stop):
+                    self._optimizer_step(feeder)
+                    if self._due(run.log_interval):
+                        self._log()
+                        if self._diverged():
                             exit_code = 1
                             break
-                    if self.step % a.eval_interval == 0 or self.step == self.total_steps:
-                        val_loss = self._eval_and_log(logger)
-                    if self.step % a.save_interval == 0 or self.step == self.total_steps:
-                        self.save(val_loss)
-                        last_saved = self.step
-                    if stop.received and backend.world_size == 1:
-                        break
+                    if self._due(run.eval_interval):
+                        self._eval_and_log()
+                    if self._due(run.save_interval):
+                        self.save()
                 if stop.received and exit_code == 0:
-                    if last_saved != self.step:
-                        self.save(val_loss)
-                    logger.message(f"{stop.received} received: checkpointed step {self.step} to {s.run_dir}; "
-                                   "continue with --resume")
+                    if self.last_saved != self.step:
+                        self.save()
+                    self.logger.message(f"{stop.received} received: checkpointed step {self.step} to {s.run_dir}; "
+                                        "continue with --resume")
         except RuntimeError as e:
             if backend.world_size == 1 or not is_peer_failure(e):
                 raise
@@ -325,8 +345,63 @@ class Trainer:
             exit_code = 1
         finally:
             feeder.close()
-            logger.close()
+            self.logger.close()
         return exit_code
+
+    def _due(self, interval: int) -> bool:
+        """Whether the step just taken is a multiple of `interval`, or the last one."""
+        return self.step % interval == 0 or self.step == self.total_steps
+
+    def _stop_requested(self, stop: StopSignal) -> bool:
+        """Whether to stop before the next step. Ranks agree (all stop after the same step): they compare notes
+        once per log interval."""
+        if self.backend.world_size == 1:
+            return stop.received is not None
+        if self.step % self.config.run.log_interval:
+            return False
+        flag = torch.tensor(float(stop.received is not None), device=self.device)
+        if self.backend.all_reduce_sum(flag).item() > 0:
+            stop.received = stop.received or "stop signal on another rank"
+            return True
+        return False
+
+    def _optimizer_step(self, feeder: StepFeeder) -> None:
+        """One optimizer step on the next micro-batches, with the device-side counters updated."""
+        t_wait = time.perf_counter()
+        micro, n_input = feeder.next_step()
+        self.window["wait"] += time.perf_counter() - t_wait
+        n_local = sum((y != IGNORE_INDEX).sum() for _, y in micro).double()
+        # the valid targets of the whole step, over all ranks, normalise the loss
+        n_valid = self.backend.all_reduce_sum(n_local.clone()) if self.backend.world_size > 1 else n_local
+        try:
+            loss_sum = self.train_step(micro, n_valid.float())
+            grad_norm, applied = self.backend.step()
+        except torch.cuda.OutOfMemoryError:
+            raise TrainingError(OOM_HELP) from None
+        self.step += 1
+        self.cursor = feeder.cursor
+        self.scheduler.step()
+        self.logger.advance()
+        ok = applied.double()
+        w, c = self.window, self.counters
+        # torch.where, not a product: a skipped step's loss may be NaN, and NaN * 0 is NaN
+        w["loss"] += torch.where(applied, loss_sum.double(), 0.0)
+        w["valid"] += n_local * ok
+        w["tokens"] += n_input
+        w["steps"] += 1
+        c["tokens_seen"] += n_valid * ok
+        c["skipped"] += 1 - ok
+        c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
+        c["grad_norm"] = grad_norm.double()
+
+    def _diverged(self) -> bool:
+        """Too many consecutive non-finite steps (checked at log steps): stop without saving."""
+        if self.bad_in_a_row < self.config.optim.max_bad_steps:
+            return False
+        self.logger.message(f"error: {self.bad_in_a_row} consecutive steps had non-finite gradients; stopping "
+                            "without saving. Try a lower --learning_rate, --dtype bfloat16 or float32. The last "
+                            "checkpoint is intact.")
+        return True
 
     def _sync_counters(self) -> None:
         """Copy the device-side counters to plain numbers (one host sync)."""
@@ -334,15 +409,16 @@ class Trainer:
         tokens, skipped, bad = torch.stack([c["tokens_seen"], c["skipped"], c["bad_in_a_row"]]).tolist()
         self.tokens_seen, self.skipped, self.bad_in_a_row = int(tokens), int(skipped), int(bad)
 
-    def _log(self, logger: MetricsLogger, w: dict[str, Any]) -> None:
+    def _log(self) -> None:
+        w = self.window
         elapsed = time.perf_counter() - w["t0"]
         # token-weighted loss and non-padding inputs over all ranks: the one host sync per log interval
         tokens = torch.tensor(float(w["tokens"]), device=self.device, dtype=torch.float64)
         loss_sum, valid, tokens = self.backend.all_reduce_sum(torch.stack([w["loss"], w["valid"], tokens])).tolist()
         self._sync_counters()
-        record = {"step": self.step, "loss": round(loss_sum / max(valid, 1), 6), "lr": self.scheduler.lr,
-                  "grad_norm": round(float(self.counters["grad_norm"]), 4), "tokens_per_s": round(tokens / elapsed),
-                  "step_time_s": round(elapsed / max(w["steps"], 1), 4),
+        record = {"step": self.step, "loss": round(loss_sum / valid, 6) if valid > 0 else None,
+                  "lr": self.scheduler.lr, "grad_norm": round(float(self.counters["grad_norm"]), 4),
+                  "tokens_per_s": round(tokens / elapsed), "step_time_s": round(elapsed / max(w["steps"], 1), 4),
                   "data_wait_frac": round(w["wait"] / elapsed, 4), "tokens_seen": self.tokens_seen,
                   "skipped_steps": self.skipped}
         if self.peak is not None:
@@ -351,17 +427,16 @@ class Trainer:
             record["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
         else:
             record["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
-        logger.log(record, bar_fields=("loss", "lr", "tokens_per_s"))
+        self.logger.log(record, bar_fields=("loss", "lr", "tokens_per_s"))
         w.update(loss=torch.zeros_like(w["loss"]), valid=torch.zeros_like(w["valid"]), tokens=0, wait=0.0,
                  t0=time.perf_counter(), steps=0)
 
-    def _eval_and_log(self, logger: MetricsLogger) -> float | None:
-        val_loss = self.evaluate()
-        if val_loss is not None:
-            ppl = math.exp(min(val_loss, 50))  # capped: a diverged run must not overflow the log
-            logger.log({"step": self.step, "val_loss": round(val_loss, 5), "val_ppl": round(ppl, 3)})
-            logger.message(f"step {self.step}: val_loss {val_loss:.4f} (ppl {ppl:.2f})")
-        return val_loss
+    def _eval_and_log(self) -> None:
+        self.val_loss = self.evaluate()
+        if self.val_loss is not None:
+            ppl = math.exp(min(self.val_loss, 50))  # capped: a diverged run must not overflow the log
+            self.logger.log({"step": self.step, "val_loss": round(self.val_loss, 5), "val_ppl": round(ppl, 3)})
+            self.logger.message(f"step {self.step}: val_loss {self.val_loss:.4f} (ppl {ppl:.2f})")
 
 
 def is_peer_failure(e: RuntimeError) -> bool:
@@ -371,14 +446,26 @@ def is_peer_failure(e: RuntimeError) -> bool:
     return re.search(r"(?i)connection (closed|reset|refused)|timed? ?out|by peer|nccl|gloo", str(e)) is not None
 
 
-def run(args: argparse.Namespace, stage: str) -> int:
-    """Build the session and train; turn known user errors into one-line messages (exit code 2)."""
+def main(stage: str, argv: list[str] | None, description: str | None) -> int:
+    """A training script's whole entry point: parse its flags and --config, then train."""
     try:
-        trainer = Trainer(Session(args, stage))
-    except (DataError, TokenizerError, ConfigError, CheckpointError) as e:
+        config = parse_train_config(stage, argv, description)
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return run(config, stage)
+
+
+def run(config: TrainConfig, stage: str) -> int:
+    """Build the session and train. Errors that are the user's to fix become one `error: ...` line: exit 2
+    for bad flags, data or checkpoints (nothing trained), 1 when training itself had to stop."""
+    session = None
     try:
-        return trainer.fit()
+        session = Session(config, stage)
+        return Trainer(session).fit()
+    except PocketLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, TrainingError) else 2
     finally:
-        trainer.backend.close()
+        if session is not None:
+            session.backend.close()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -70,17 +71,20 @@ class MetricsLogger:
     def log(self, record: dict[str, Any], bar_fields: tuple[str, ...] = ()) -> None:
         if not self.enabled:
             return
-        record = {"time": round(time.time(), 3), **record}
-        self.file.write(json.dumps(record) + "\n")
+        # Strict JSON: a non-finite number (a diverged grad norm) is written as null, never as a bare NaN.
+        record = {"time": round(time.time(), 3),
+                  **{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}}
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
         step = record.get("step", 0)
-        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        numeric = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
         if self.wandb is not None:
             self.wandb.log(numeric, step=step)
         if self.tb is not None:
             for k, v in numeric.items():
                 self.tb.add_scalar(k, v, step)
         if self.bar is not None and bar_fields:
-            self.bar.set_postfix({k: _fmt(record[k]) for k in bar_fields if k in record}, refresh=False)
+            self.bar.set_postfix({k: _fmt(record[k]) for k in bar_fields if record.get(k) is not None}, refresh=False)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:

@@ -20,12 +20,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
-                    momentum: float, device: torch.device) -> torch.optim.Optimizer:
+                    momentum: float, device: torch.device, eps: float = 1e-8) -> torch.optim.Optimizer:
+    """AdamW (or SGD) over the decay / no-decay groups of `model`'s trainable parameters."""
     groups = param_groups(model, weight_decay)
     if name == "adamw":
         # The fused kernel updates all parameters in one pass (3.5x faster than the default on CPU, one launch
         # on GPU) and can skip a step on a device-side flag, so non-finite steps need no host sync.
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type in ("cuda", "cpu"))
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device.type in ("cuda", "cpu"))
     if name == "sgd":
         # Not fused: torch's fused SGD leaves the momentum buffer uninitialised when its first step is skipped.
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.errors import ConfigError
 from model.inference import DTYPES
-
 
 
 @lru_cache(maxsize=1)
@@ -31,9 +31,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     emulated bf16 is slower than fp32."""
     if name != "auto":
         if name not in DTYPES:
-            raise SystemExit(f"error: --dtype {name!r}; expected auto or one of {sorted(DTYPES)}")
+            raise ConfigError(f"--dtype {name!r}; expected auto or one of {sorted(DTYPES)}")
         if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise SystemExit("error: this GPU has no bf16 support; use --dtype float16 (loss scaling is automatic)")
+            raise ConfigError("this GPU has no bf16 support; use --dtype float16 (loss scaling is automatic)")
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

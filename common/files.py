@@ -1,0 +1,57 @@
+"""Names and small helpers shared by the layers that must not import each other: run-directory file names,
+atomic writes, the Slurm rendezvous port, dtype names, and the check for optional packages."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from .errors import ConfigError
+
+LATEST_NAME = "latest"  # out/<run>/latest holds "checkpoints/step_..." of the newest complete checkpoint
+TRAIN_INFO_NAME = "train_info.json"  # stage and step of a checkpoint
+TRAIN_CONFIG_NAME = "train_config.json"  # a run's full configuration, itself a valid --config file
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def write_atomic(path: str | Path, data: str | bytes | Iterable[bytes]) -> None:
+    """Write `data` (text, bytes, or an iterable of byte chunks) to a temporary file beside `path`, fsync it
+    and rename it over `path`: readers see the old file or the new one, never a half-written one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    chunks = [data.encode("utf-8")] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        # mkstemp creates the file 0600; give it the permissions a plain open() would have.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def rendezvous_port(job_id: str) -> int:
+    """A port derived from the Slurm job id: every task computes the same one without talking to the others."""
+    digits = "".join(c for c in str(job_id) if c.isdigit()) or "0"
+    return 20000 + int(digits) % 20000
+
+
+def require_package(module: str, needed_for: str) -> None:
+    """Raise ConfigError naming the install command when an optional package is missing (checked without
+    importing it, so the check is cheap enough to run before any slow work)."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install, or a module blocked in sys.modules
+        found = False
+    if not found:
+        raise ConfigError(f"{needed_for} needs the `{module}` package, which is not installed; install it with "
+                          f"`pip install -r requirements.txt` (or `make install`)")

@@ -1,0 +1,233 @@
+"""The typed configuration: flags from dataclasses, --config files and recipes, re-runnable train_config.json,
+one data config for training and `python -m dataset.cache`, and flags that cannot take effect."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, cli_flags, read_metrics
+
+import eval_model
+import train_full_sft
+import train_pretrain
+from common.config import build_config, parse_config, read_config_file, to_dict
+from common.errors import ConfigError
+from dataset import cache as cache_mod
+from model import load_model
+from trainer_utils.config import STAGE_DEFAULTS, TrainConfig, parse_train_config
+
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def flags(corpus, tmp_path, run="run", **over) -> list[str]:
+    base = {"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": tmp_path, "run_name": run,
+            "preset": "tiny", "batch_size": 4, "max_steps": 2, "dtype": "float32", "log_interval": 1,
+            "eval_interval": 100, "save_interval": 100, "num_workers": 0, "learning_rate": 1e-3, "warmup_steps": 1}
+    return cli_flags(base, **over)
+
+
+# ------------------------------------------------------------------------------ machinery
+def test_flags_keep_minimind_names_and_help_is_grouped(capsys):
+    with pytest.raises(SystemExit):
+        train_pretrain.main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--batch_size", "--learning_rate", "--max_seq_len", "--hidden_size", "--num_hidden_layers",
+                 "--accumulation_steps", "--epochs", "--data_path", "--out_dir", "--save_interval",
+                 "--log_interval", "--use_wandb", "--grad_clip", "--dtype", "--num_workers", "--config"):
+        assert flag in out, flag
+    groups = [line for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert groups[-5:] == ["data:", "model:", "optimization:", "precision and devices:", "output and logging:"]
+    assert "--overlong" not in out  # an SFT setting
+
+
+def test_precedence_defaults_then_stage_then_file_then_command_line(tmp_path):
+    assert parse_train_config("pretrain", [], "").optim.learning_rate == 5e-4
+    assert parse_train_config("sft", [], "").optim.learning_rate == 5e-5  # the stage's default
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  learning_rate: 3e-4\n  batch_size: 7\nseed: 3\n")  # nested and flat; 3e-4 is a
+    config = parse_train_config("sft", ["--config", str(recipe), "--batch_size", "5"], "")  # YAML string
+    assert (config.optim.learning_rate, config.optim.batch_size, config.optim.seed) == (3e-4, 5, 3)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("optim:\n  learning_rat: 1\n", "unknown setting 'learning_rat' (did you mean 'learning_rate'?)"),
+    ("optim:\n  data_path: x.jsonl\n", "data_path belongs to group 'data', not 'optim'"),
+    ("batch_size: eight\n", "batch_size must be int, got 'eight'"),
+    ("dtype: fp8\n", "dtype must be one of"),
+    ("overlong: drop\n", "overlong is a setting of sft runs, not of pretrain"),
+    ("- a\n- b\n", "expected a mapping of settings"),
+    ("optim: [1\n", "not valid YAML"),
+    ("batch_size: 0\n", "--batch_size must be >= 1, got 0"),
+])
+def test_bad_config_files_are_one_line_errors(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as e:
+        parse_train_config("pretrain", ["--config", str(path)], "")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_round_trips_through_to_dict():
+    config = parse_train_config("sft", ["--batch_size", "3", "--overlong", "drop", "--resume"], "")
+    written = to_dict(config, "sft")
+    assert "resume" not in written["run"] and "overwrite" not in written["run"]  # actions, not settings
+    again = build_config(TrainConfig, {k: v for g in written.values() for k, v in g.items()}, "sft",
+                         STAGE_DEFAULTS["sft"])
+    assert to_dict(again, "sft") == written
+    assert "overlong" not in to_dict(config, "pretrain")["data"]
+
+
+def test_eval_and_cache_entry_points_share_the_machinery(tmp_path):
+    config = parse_config(eval_model.EvalConfig, ["--checkpoint", "x", "--prompt", "a", "--prompt", "b",
+                                                   "--top_p", "0.5"])
+    assert config.task.prompt == ["a", "b"] and config.sampling.top_p == 0.5
+    with pytest.raises(ConfigError, match="--top_p must be <= 1"):
+        parse_config(eval_model.EvalConfig, ["--checkpoint", "x", "--top_p", "1.5"])
+    with pytest.raises(ConfigError, match="--prompt and --chat are alternatives"):
+        parse_config(eval_model.EvalConfig, ["--checkpoint", "x", "--prompt", "a", "--chat"])
+    from dataset.config import CacheConfig
+    training = parse_train_config("pretrain", [], "").data
+    assert parse_config(CacheConfig, ["--data_path", "f.jsonl"]).data == \
+        type(training)(**{**vars(training), "data_path": "f.jsonl"})  # the same data defaults
+
+
+# ---------------------------------------------------------------- recipes and re-runs
+def test_every_recipe_parses_for_its_stage():
+    assert {p.stem for p in RECIPES} >= {"demo-pretrain", "demo-sft", "minimind-26m-pretrain", "minimind-26m-sft",
+                                         "minimind-104m-pretrain", "gpt2-100m-pretrain"}
+    for path in RECIPES:
+        stage = "sft" if path.stem.endswith("sft") else "pretrain"
+        config = parse_train_config(stage, ["--config", str(path)], "")
+        assert read_config_file(TrainConfig, path, stage), path
+        assert (config.model.init_from is not None) == (stage == "sft"), path
+    gpt2 = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/gpt2-100m-pretrain.yaml")], "")
+    o = gpt2.optim
+    assert (o.learning_rate, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.warmup_steps, o.min_lr) == \
+        (3e-4, 0.9, 0.95, 1e-8, 0.1, 1000, 1e-5)
+    assert (o.batch_size, o.accumulation_steps, o.max_steps, gpt2.model.max_seq_len) == (8, 4, 50000, 512)
+
+
+@pytest.mark.slow
+def test_every_recipe_trains_two_steps(corpus, tmp_path):
+    """Each recipe runs as shipped except for what this machine needs: small data, batch and context."""
+    small = ["--data_path", str(corpus["pretrain"]), "--cache_dir", str(corpus["cache"]), "--out_dir",
+             str(tmp_path), "--max_steps", "2", "--batch_size", "1", "--accumulation_steps", "1",
+             "--max_seq_len", "32", "--num_workers", "0", "--eval_interval", "1", "--save_interval", "2"]
+    for path in [p for p in RECIPES if p.stem.endswith("pretrain")]:
+        extra = ["--tokenizer", str(ROOT / "model/tokenizer")] if "gpt2" in path.stem else []  # no 16k one here
+        assert train_pretrain.main(["--config", str(path), *small, *extra]) == 0, path
+    for path in [p for p in RECIPES if p.stem.endswith("sft")]:
+        pretrain = tmp_path / read_config_file(TrainConfig, path.with_name(path.name.replace("sft", "pretrain")),
+                                               "pretrain")["run_name"]
+        args = [*small, "--data_path", str(corpus["sft"]), "--init_from", str(pretrain)]
+        assert train_full_sft.main(["--config", str(path), *args]) == 0, path
+        assert load_model(tmp_path / read_config_file(TrainConfig, path, "sft")["run_name"])[0] is not None
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft"])
+def test_train_config_json_reproduces_the_run(corpus, tmp_path, stage):
+    if stage == "pretrain":
+        assert train_pretrain.main(flags(corpus, tmp_path, "first")) == 0
+        again = train_pretrain.main
+    else:
+        assert train_pretrain.main(flags(corpus, tmp_path, "base")) == 0
+        sft = flags(corpus, tmp_path, "first", preset=None, data_path=corpus["sft"], init_from=tmp_path / "base",
+                    max_seq_len=64)
+        assert train_full_sft.main(sft) == 0
+        again = train_full_sft.main
+    written = json.loads((tmp_path / "first/train_config.json").read_text())
+    assert written["resolved"]["stage"] == stage and "resume" not in written["run"]
+    assert again(["--config", str(tmp_path / "first/train_config.json"), "--run_name", "second"]) == 0
+    first, second = read_metrics(tmp_path / "first"), read_metrics(tmp_path / "second")
+    assert first[0]["loss"] == second[0]["loss"] and first[-1]["loss"] == second[-1]["loss"]
+
+
+# ------------------------------------------------------------------- one data config
+def test_cache_prepared_ahead_is_the_one_training_reuses(corpus, tmp_path, capsys):
+    """`python -m dataset.cache --data_path F` then `train_pretrain.py --data_path F`, both with defaults."""
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(Path(corpus["pretrain"]).read_bytes())
+    assert cache_mod.main(["--data_path", str(data), "--num_workers", "0"]) == 0
+    capsys.readouterr()
+    assert train_pretrain.main(["--data_path", str(data), "--preset", "tiny", "--max_steps", "1", "--out_dir",
+                                str(tmp_path / "out"), "--batch_size", "2", "--num_workers", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "reusing the prepared cache" in err and "prepared data.jsonl" not in err
+    assert len(list((tmp_path / "data.jsonl.pocketlm-cache").glob("pretrain-*"))) == 1
+
+
+def test_sft_cache_prepared_ahead_with_the_training_context(corpus, tmp_path, capsys):
+    assert train_pretrain.main(flags(corpus, tmp_path, "base")) == 0
+    data = tmp_path / "sft.jsonl"
+    data.write_bytes(Path(corpus["sft"]).read_bytes())
+    assert cache_mod.main(["--data_path", str(data), "--kind", "sft", "--max_seq_len", "64",
+                           "--num_workers", "0"]) == 0
+    capsys.readouterr()
+    assert train_full_sft.main(["--data_path", str(data), "--init_from", str(tmp_path / "base"), "--out_dir",
+                                str(tmp_path), "--max_steps", "1", "--batch_size", "2"]) == 0  # tiny: context 64
+    assert "reusing the prepared cache" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- flags that cannot take effect
+@pytest.mark.parametrize("flag", [{"preset": "mini-30m"}, {"hidden_size": 32}, {"num_hidden_layers": 3}])
+def test_shape_flags_with_init_from_are_errors(corpus, tmp_path, capsys, flag):
+    assert train_pretrain.main(flags(corpus, tmp_path, "base")) == 0
+    capsys.readouterr()
+    sft = flags(corpus, tmp_path, "sft", **{"preset": None, "data_path": corpus["sft"], "init_from": tmp_path / "base",
+                                           **flag})
+    assert train_full_sft.main(sft) == 2
+    err = capsys.readouterr().err
+    assert f"--{next(iter(flag))} cannot take effect with --init_from" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "sft").exists()
+
+
+def test_dropout_takes_effect_on_loaded_weights_and_default_name_follows_the_model(corpus, tmp_path):
+    assert train_pretrain.main(flags(corpus, tmp_path, "base")) == 0
+    sft = flags(corpus, tmp_path, None, preset=None, data_path=corpus["sft"], init_from=tmp_path / "base",
+                dropout=0.25)
+    assert train_full_sft.main(sft) == 0
+    run = tmp_path / "sft-tiny"  # named after the model loaded (tiny), not the default preset
+    assert load_model(run)[0].config.dropout == 0.25
+
+
+def test_model_flags_on_resume_must_describe_the_run(corpus, tmp_path, capsys):
+    reshape = dict(hidden_size=32, max_steps=2)
+    assert train_pretrain.main(flags(corpus, tmp_path, **reshape)) == 0
+    # the same command again, as a Slurm requeue sends it: fine
+    assert train_pretrain.main(flags(corpus, tmp_path, **{**reshape, "max_steps": 3}, resume=True)) == 0
+    capsys.readouterr()
+    assert train_pretrain.main(flags(corpus, tmp_path, hidden_size=64, max_steps=4, resume=True)) == 2
+    err = capsys.readouterr().err
+    assert "--preset, --hidden_size cannot take effect with --resume" in err and "hidden_size 64 (the run has 32)" in err
+    assert train_pretrain.main(flags(corpus, tmp_path, hidden_size=32, dropout=0.5, max_steps=4, resume=True)) == 2
+    assert "dropout 0.5 (the run has 0.0)" in capsys.readouterr().err
+
+
+# ------------------------------------------------- checked before anything slow
+@pytest.mark.parametrize("extra,message", [
+    (["--deepspeed", "missing.json"], "--deepspeed missing.json: No such file or directory"),
+    (["--deepspeed", "launch/ds_zero2.json", "--dtype", "float16"], "use --dtype bfloat16 or float32"),
+    (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+    (["--learning_rate", "0"], "--learning_rate must be > 0"),
+])
+def test_flags_are_checked_before_data_preparation(corpus, tmp_path, capsys, extra, message):
+    cache = tmp_path / "cache"
+    argv = flags(corpus, tmp_path, cache_dir=cache) + extra
+    assert train_pretrain.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("flag,module", [("--use_wandb", "wandb"), ("--use_tensorboard", "tensorboard"),
+                                         ("--deepspeed", "deepspeed")])
+def test_missing_optional_package_names_the_install_command(corpus, tmp_path, capsys, monkeypatch, flag, module):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails as if it were not installed
+    cache = tmp_path / "cache"
+    extra = [flag, "launch/ds_zero2.json"] if flag == "--deepspeed" else [flag]
+    assert train_pretrain.main(flags(corpus, tmp_path, cache_dir=cache) + extra) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} needs the `{module}` package" in err and "pip install -r requirements.txt" in err
+    assert len(err.splitlines()) == 1 and not cache.exists()

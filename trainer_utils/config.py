@@ -1,0 +1,155 @@
+"""The training configuration: typed groups (data, model, optimization, precision/devices, output/logging) that
+every training script shares, with MiniMind's flag names. Stages differ only in their defaults (STAGE_DEFAULTS).
+
+    python train_pretrain.py --config recipes/minimind-26m-pretrain.yaml --max_steps 100
+
+Checks that need no data, model or device run in TrainConfig.check(), before anything slow; the loop's
+Session adds the ones that need the device or the checkpoint being loaded.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from common.config import option, parse_config
+from common.errors import ConfigError
+from common.files import require_package
+from dataset.config import DataConfig
+from model.config import PRESETS
+from model.inference import DeviceConfig
+
+DEFAULT_PRESET = "minimind-26m"
+
+
+@dataclass
+class ModelOptions:
+    """Which model to train: a preset (optionally reshaped), or the weights of an earlier run."""
+
+    title: ClassVar[str] = "model"
+    preset: str | None = option(None, f"model shape for a new model (default: {DEFAULT_PRESET}); not with "
+                                      "--init_from, which brings its own", choices=sorted(PRESETS))
+    hidden_size: int | None = option(None, "override the preset's width (head size kept)", at_least=1)
+    num_hidden_layers: int | None = option(None, "override the preset's depth", at_least=1)
+    max_seq_len: int | None = option(None, "training context in tokens (default: the model's)", at_least=1)
+    dropout: float | None = option(None, "dropout probability (default: the model's, 0 for presets); takes "
+                                         "effect with --init_from too", at_least=0, below=1)
+    init_from: str | None = option(None, "start from the weights of this run / checkpoint / model dir",
+                                 metavar="DIR")
+    grad_checkpointing: bool = option(False, "recompute blocks in backward: less memory, ~30% more compute")
+    compile: bool = option(False, "torch.compile the model")
+
+    SHAPE_FLAGS: ClassVar[tuple[str, ...]] = ("preset", "hidden_size", "num_hidden_layers")
+
+
+@dataclass
+class OptimConfig:
+    """How long and how fast to learn."""
+
+    title: ClassVar[str] = "optimization"
+    epochs: int = option(1, "passes over the training data", at_least=1)
+    max_steps: int | None = option(None, "optimizer steps (overrides --epochs)", at_least=1)
+    batch_size: int = option(32, "sequences per micro-batch per device", at_least=1)
+    accumulation_steps: int = option(1, "micro-batches per optimizer step", at_least=1)
+    learning_rate: float = option(5e-4, "peak learning rate", above=0)
+    min_lr: float | None = option(None, "end of the cosine (default: learning_rate / 10)", at_least=0)
+    warmup_steps: int | None = option(None, "linear warmup steps (default: --warmup_ratio of all steps)",
+                                      at_least=0)
+    warmup_ratio: float = option(0.01, "warmup share of all steps when --warmup_steps is not given", at_least=0,
+                                 below=1)
+    weight_decay: float = option(0.1, "AdamW/SGD weight decay on matrices (never on norms, biases, embeddings)",
+                                 at_least=0)
+    optimizer: Literal["adamw", "sgd"] = option("adamw", "optimizer")
+    beta1: float = option(0.9, "AdamW beta1", at_least=0, below=1)
+    beta2: float = option(0.95, "AdamW beta2", at_least=0, below=1)
+    adam_eps: float = option(1e-8, "AdamW epsilon", above=0)
+    momentum: float = option(0.9, "SGD momentum (Nesterov)", at_least=0, below=1)
+    grad_clip: float = option(1.0, "clip the gradient norm to this; 0 disables clipping", at_least=0)
+    max_bad_steps: int = option(10, "stop after this many consecutive steps skipped for non-finite gradients",
+                                at_least=1)
+    seed: int = option(42, "seed of the initialisation and the data order")
+
+
+@dataclass
+class PrecisionConfig(DeviceConfig):
+    """Number formats and where the run executes: evaluation's --dtype / --device, plus training's own."""
+
+    tf32: bool = option(True, "TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (--no-tf32: strict fp32)")
+    deepspeed: str | None = option(None, "DeepSpeed config JSON (e.g. launch/ds_zero2.json)",
+                                    metavar="F.json")
+    # The deepspeed launcher appends --local_rank=N; the same value is in $LOCAL_RANK, which is what is read.
+    local_rank: int | None = option(None, "", hidden=True, persist=False, aliases=("--local-rank",))
+    dist_timeout: int = option(600, "seconds a collective may wait for other ranks before failing", at_least=1)
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The --deepspeed file's settings, or ConfigError naming the file."""
+        try:
+            config = json.loads(Path(self.deepspeed).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--deepspeed {self.deepspeed}: {getattr(e, 'strerror', None) or e}") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"--deepspeed {self.deepspeed}: expected a JSON object")
+        return config
+
+
+@dataclass
+class RunConfig:
+    """Where the run is written and what it reports."""
+
+    title: ClassVar[str] = "output and logging"
+    out_dir: str = option("out", "directory that holds the runs", metavar="DIR")
+    run_name: str | None = option(None, "default: <stage>-<preset of the model>", metavar="NAME")
+    resume: bool = option(False, "continue out_dir/run_name from its latest checkpoint (a fresh start if it "
+                                 "has none)", persist=False)
+    overwrite: bool = option(False, "delete an existing run of the same name first", persist=False)
+    save_interval: int = option(500, "steps between checkpoints", at_least=1)
+    keep_last: int = option(3, "checkpoints kept", at_least=1)
+    log_interval: int = option(10, "steps between log records", at_least=1)
+    eval_interval: int = option(500, "steps between validation passes", at_least=1)
+    eval_batches: int = option(20, "validation batches per pass", at_least=1)
+    use_wandb: bool = option(False, "log to wandb (offline unless WANDB_API_KEY is set)")
+    wandb_project: str = option("pocketlm", "wandb project", metavar="NAME")
+    use_tensorboard: bool = option(False, "log to TensorBoard (out/<run>/tensorboard)")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run is told; what it derives from it (device, steps, model) is written beside it."""
+
+    data: DataConfig
+    model: ModelOptions
+    optim: OptimConfig
+    precision: PrecisionConfig
+    run: RunConfig
+
+    def check(self) -> None:
+        """Cross-setting checks that need nothing slow (no data, model or device), so they fail at once."""
+        if self.run.resume and self.run.overwrite:
+            raise ConfigError("--resume and --overwrite contradict each other")
+        if self.model.init_from is not None:
+            given = [f"--{k}" for k in ModelOptions.SHAPE_FLAGS if getattr(self.model, k) is not None]
+            if given:
+                raise ConfigError(f"{', '.join(given)} cannot take effect with --init_from: the model's shape "
+                                  f"comes from {self.model.init_from}; drop {'it' if len(given) == 1 else 'them'}")
+        if self.precision.deepspeed is not None:
+            require_package("deepspeed", "--deepspeed")
+            if self.precision.dtype == "float16":
+                raise ConfigError("use --dtype bfloat16 or float32 with --deepspeed (DeepSpeed does its own fp16 "
+                                  "loss scaling, which the loop does not drive)")
+            self.precision.deepspeed_config()  # readable and valid now, not after tokenizing
+        if self.run.use_wandb:
+            require_package("wandb", "--use_wandb")
+        if self.run.use_tensorboard:
+            require_package("tensorboard", "--use_tensorboard")
+
+
+STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "pretrain": dict(data_path="dataset/demo/pretrain_demo.jsonl", batch_size=32, learning_rate=5e-4),
+    "sft": dict(data_path="dataset/demo/sft_demo.jsonl", batch_size=16, learning_rate=5e-5),
+}
+
+
+def parse_train_config(stage: str, argv: list[str] | None, description: str | None) -> TrainConfig:
+    """The checked TrainConfig of a training script's command line (and --config file)."""
+    return parse_config(TrainConfig, argv, description, stage, STAGE_DEFAULTS[stage])
