@@ -50,7 +50,9 @@ class GlobalOrder:
 
 
 class PretrainDataset(GlobalOrder):
-    """Non-overlapping windows of max_seq_len + 1 tokens over the <|endoftext|>-joined token stream (no padding)."""
+    """Windows of max_seq_len + 1 tokens over the <|endoftext|>-joined token stream (no padding), each starting
+    where the previous one ends: neighbours share exactly one token, the last target of one window being the
+    first input of the next, so each token is a target once per epoch."""
 
     def __init__(self, cache: TokenCache, split: str = "train", max_seq_len: int = 512, seed: int = 0) -> None:
         super().__init__(seed)

@@ -1,8 +1,9 @@
 """Inference helpers shared by eval_model.py: run metadata, device/dtype choice, streaming decode, prompt
 fitting and perplexity scoring.
 
-Nothing here imports `dataset/` (see DESIGN.md): tokenizer-dependent steps take callables or token ids, and
-the byte length of each token is read straight from the checkpoint's tokenizer.json.
+Nothing here imports `dataset/` (model and dataset never import each other; README, "Repository layout"):
+tokenizer-dependent steps take callables or token ids, and the byte length of each token is read straight
+from the checkpoint's tokenizer.json.
 """
 from __future__ import annotations
 

@@ -1,0 +1,72 @@
+"""What the code tells users must exist: flags named in messages and docstrings, files a docstring points to."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+from conftest import ROOT
+
+import eval_model
+import train_full_sft
+import train_pretrain
+import train_tokenizer
+from dataset import cache, clean
+from launch import slurm
+from model import convert
+
+LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch") for p in (ROOT / d).rglob("*.py")]
+ENTRY_POINTS = {"train_pretrain.py": train_pretrain.main, "train_full_sft.py": train_full_sft.main,
+                "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,
+                "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main}
+# Flags of other programs that the docs show next to ours.
+EXTERNAL = {"--nproc_per_node", "--local-rank", "--help"}
+
+
+class _Parsed(BaseException):  # BaseException: no entry point's error handling may swallow it
+    pass
+
+
+def flags_of(main, monkeypatch) -> set[str]:
+    """The long flags an entry point's parser accepts, read off the parser as it is about to parse."""
+    seen: set[str] = set()
+
+    def record(self, *args, **kwargs):
+        seen.update(s for s in self._option_string_actions if s.startswith("--"))
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", record)
+    with pytest.raises(_Parsed):
+        main([])
+    monkeypatch.undo()
+    return seen
+
+
+def test_every_flag_named_in_library_code_exists(monkeypatch):
+    known = set().union(*(flags_of(main, monkeypatch) for main in ENTRY_POINTS.values())) | EXTERNAL
+    named = {(p.relative_to(ROOT), f) for p in LIBRARY for f in re.findall(r"--[a-z][a-z0-9_-]+", p.read_text())}
+    unknown = sorted((str(p), f) for p, f in named if f not in known and not f.startswith("--no-"))
+    assert unknown == []
+
+
+def test_files_named_in_docstrings_exist():
+    missing = []
+    for path in [*LIBRARY, *ROOT.glob("*.py")]:
+        for name in re.findall(r"\b([A-Za-z_]+\.md)\b", path.read_text()):
+            if not (ROOT / name).exists() and not list(ROOT.glob(f"*/{name}")):
+                missing.append((str(path.relative_to(ROOT)), name))
+    assert missing == []
+
+
+def test_vocabulary_mismatch_advice_names_a_training_flag(tmp_path, capsys, monkeypatch):
+    """A model whose embedding table is smaller than the tokenizer: the advice must be a flag training has."""
+    from conftest import tiny_config
+
+    from model import PocketLM, save_model
+    save_model(PocketLM(tiny_config(vocab_size=256)), tmp_path / "small")
+    training_flags = flags_of(train_full_sft.main, monkeypatch)
+    assert train_full_sft.main(["--init_from", str(tmp_path / "small"), "--out_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "vocab_size 256" in err
+    advice = set(re.findall(r"--[a-z_]+", err))
+    assert advice and advice <= training_flags, advice
