@@ -62,7 +62,8 @@ def run(preset: str, prompt_len: int, new_tokens: int, batch: int, repeats: int,
 
     @torch.inference_mode()
     def hf_generate() -> list[list[int]]:
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens,
                           do_sample=False, pad_token_id=0, eos_token_id=None)
         return out[:, prompt_len:].tolist()
 

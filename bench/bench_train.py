@@ -72,7 +72,8 @@ def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, 
     disturbed by the rest of the machine (the loop is measured the same way, so the two compare like for
     like). With `steps` None a block lasts about `min_seconds` (at least 6 steps)."""
     torch.manual_seed(0)
-    cfg = get_preset(preset, max_seq_len=seq, max_position_embeddings=max(seq, get_preset(preset).max_position_embeddings))
+    cfg = get_preset(preset, max_seq_len=seq,
+                     max_position_embeddings=max(seq, get_preset(preset).max_position_embeddings))
     model = PocketLM(cfg).to(device).train()
     opt = build_optimizer(model, "adamw", 1e-4, 0.1, (0.9, 0.95), 0.9, device)
     precision = Precision(device, DTYPES[dtype])

@@ -30,7 +30,8 @@ C = TypeVar("C")
 
 
 def option(default: Any, help: str, *, choices: Sequence[Any] | None = None, at_least: float | None = None,
-           above: float | None = None, below: float | None = None, at_most: float | None = None, stages: tuple[str, ...] | None = None,
+           above: float | None = None, below: float | None = None, at_most: float | None = None,
+           stages: tuple[str, ...] | None = None,
            persist: bool = True, hidden: bool = False, aliases: tuple[str, ...] = (),
            metavar: str | None = None) -> Any:
     """A setting: its default, its help line and its checks.

@@ -1,5 +1,5 @@
 """Names and small helpers shared by the layers that must not import each other: run-directory file names,
-atomic writes, the Slurm rendezvous port, dtype names, and the check for optional packages."""
+atomic writes, the Slurm rendezvous port, and the check for optional packages."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +13,6 @@ from .errors import ConfigError
 LATEST_NAME = "latest"  # out/<run>/latest holds "checkpoints/step_..." of the newest complete checkpoint
 TRAIN_INFO_NAME = "train_info.json"  # stage and step of a checkpoint
 TRAIN_CONFIG_NAME = "train_config.json"  # a run's full configuration, itself a valid --config file
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def write_atomic(path: str | Path, data: str | bytes | Iterable[bytes]) -> None:

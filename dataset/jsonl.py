@@ -10,7 +10,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from common.errors import DataError
 from common.files import write_atomic  # noqa: F401  (re-exported: the data stages write through it)

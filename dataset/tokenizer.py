@@ -75,7 +75,8 @@ class Tokenizer:
         """Refuse a model whose embedding table is smaller than this tokenizer's id range."""
         if self.vocab_size > vocab_size:
             raise TokenizerError(f"{self.path}/tokenizer.json has {self.vocab_size} tokens but the {where} has "
-                                 f"vocab_size {vocab_size}; use the tokenizer the model was trained with (--tokenizer DIR)")
+                                 f"vocab_size {vocab_size}; use the tokenizer the model was trained with "
+                                 "(--tokenizer DIR)")
 
     # ------------------------------------------------------------------------ chat
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:

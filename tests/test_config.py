@@ -200,7 +200,8 @@ def test_model_flags_on_resume_must_describe_the_run(corpus, tmp_path, capsys):
     capsys.readouterr()
     assert train_pretrain.main(flags(corpus, tmp_path, hidden_size=64, max_steps=4, resume=True)) == 2
     err = capsys.readouterr().err
-    assert "--preset, --hidden_size cannot take effect with --resume" in err and "hidden_size 64 (the run has 32)" in err
+    assert "--preset, --hidden_size cannot take effect with --resume" in err
+    assert "hidden_size 64 (the run has 32)" in err
     assert train_pretrain.main(flags(corpus, tmp_path, hidden_size=32, dropout=0.5, max_steps=4, resume=True)) == 2
     assert "dropout 0.5 (the run has 0.0)" in capsys.readouterr().err
 

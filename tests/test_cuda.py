@@ -34,7 +34,7 @@ def _train(tmp_path, *extra: str) -> list[dict]:
 def test_training_steps_per_precision(tmp_path, dtype):
     records = _train(tmp_path, "--dtype", dtype)
     losses = [r["loss"] for r in records]
-    assert all(math.isfinite(l) for l in losses) and losses[-1] < losses[0] - 0.05, losses
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.05, losses
     assert all("peak_mem_gb" in r for r in records)
     if dtype == "float16":
         state = torch.load(tmp_path / "r/checkpoints/step_00000006/training_state.pt", weights_only=True)

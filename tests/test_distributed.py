@@ -1,18 +1,18 @@
 """Real multi-process runs on CPU (gloo): DDP parity, cross-world-size resume, dead ranks, DeepSpeed ZeRO-2."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli_flags, read_metrics, train_through_an_empty_step, wait_for_metrics
+from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 
 from model import load_model
 
@@ -89,7 +89,7 @@ def test_a_dead_rank_makes_the_other_fail_within_the_timeout(corpus, tmp_path):
                                                            dist_timeout=30)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
-    wait_for_metrics(tmp_path / "dead", lines=4)
+    assert wait_for_metrics(tmp_path / "dead", lines=4), "the 2-rank run never started training"
     procs[1].send_signal(signal.SIGKILL)
     t0 = time.time()
     _, err = procs[0].communicate(timeout=90)
@@ -122,7 +122,8 @@ def test_deepspeed_launcher_and_plain_python(corpus, tmp_path):
     if launcher is None:
         pytest.skip("deepspeed launcher not on PATH")
     ds = ["--deepspeed", "launch/ds_zero2.json", "--max_steps", "2"]
-    res = run([launcher, "--num_accelerators", "2", "train_pretrain.py", *args(corpus, tmp_path, "l", batch_size=4), *ds])
+    res = run([launcher, "--num_accelerators", "2", "train_pretrain.py", *args(corpus, tmp_path, "l", batch_size=4),
+               *ds])
     assert '"world_size": 2' in res.stderr
     env_free = {k: v for k, v in ENV.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     res = subprocess.run([sys.executable, "train_pretrain.py", *args(corpus, tmp_path, "p", batch_size=4), *ds],
@@ -161,35 +162,26 @@ def test_srun_tasks_get_the_launchers_rendezvous(monkeypatch):
     assert os.environ["MASTER_PORT"] == str(rendezvous_port("12345")) == "32345"
 
 
-def _empty_step_with_deepspeed(argv: list[str], env: dict[str, str], results) -> None:
-    """In a forked child: DeepSpeed keeps process-wide state that a second engine in one process trips over."""
-    os.environ.update(env)
-    try:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            results.put(train_through_an_empty_step(argv, monkeypatch))
-    except BaseException:  # report it instead of leaving the parent waiting
-        results.put(traceback.format_exc())
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_deepspeed_skips_a_step_without_targets(corpus, tmp_path, dtype):
-    """DeepSpeed applies the same rule as the other backends: no target anywhere, no update (one rank, in a
-    forked process). ZeRO skips non-finite steps itself, in fp32 (via the grad norm) and in bf16."""
+    """DeepSpeed applies the same rule as the other backends: no target anywhere, no update. One rank, in its own
+    process (DeepSpeed keeps process-wide state a second engine trips over). ZeRO skips the non-finite step
+    itself, in fp32 (via the grad norm) and in bf16."""
     pytest.importorskip("deepspeed")
-    import multiprocessing
-
     from trainer_utils.distributed import _free_port
-    env = {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+    env = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
     argv = args(corpus, tmp_path, "ds", max_steps=1, batch_size=4, dtype=dtype) + ["--deepspeed",
                                                                                    "launch/ds_zero2.json"]
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    child = ctx.Process(target=_empty_step_with_deepspeed, args=(argv, env, results))
-    child.start()
-    out = results.get(timeout=300)
-    child.join(timeout=60)
-    assert isinstance(out, dict), out
+    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+            "import pytest\nfrom conftest import train_through_an_empty_step\n"
+            "with pytest.MonkeyPatch.context() as monkeypatch:\n"
+            f"    out = train_through_an_empty_step({argv!r}, monkeypatch)\n"
+            "print('RESULT', json.dumps(out))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.split("RESULT ", 1)[1])
     assert out["weights_moved"] == [] and out["skipped"] == 1
     [record] = [r for r in out["records"] if "loss" in r]
     assert record["loss"] is None and record["skipped_steps"] == 1

@@ -98,7 +98,7 @@ def test_real_slurm_preemption_checkpoints_requeues_and_completes(cluster, corpu
                         *train_args(corpus, tmp_path, "pre", max_steps=80, save_interval=1000)])
     job, record = slurm.make_job(args)
     handle = slurm.submit(args, job, record)
-    wait_for_metrics(tmp_path / "pre", lines=10, timeout_s=180)
+    assert wait_for_metrics(tmp_path / "pre", lines=10, timeout_s=180), "the job never started training"
     assert (tmp_path / "pre" / "metrics.jsonl").exists(), "the job never started training"
     handle._interrupt()  # what Slurm does on preemption: SIGTERM, then the requeue signal
     # Slurm holds a requeued job for ~2 minutes (BeginTime); release it at once to keep the test short.

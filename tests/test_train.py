@@ -158,7 +158,7 @@ def test_sigterm_to_a_training_process_checkpoints_and_resumes(corpus, tmp_path)
     cmd = [sys.executable, "train_pretrain.py", *flags(corpus, tmp_path, max_steps=100000, log_interval=1,
                                                        save_interval=100000, eval_interval=100000)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_metrics(tmp_path / "run", lines=3)
+    assert wait_for_metrics(tmp_path / "run", lines=3), proc.kill() or proc.communicate()[1][-2000:]
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
