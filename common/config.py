@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import operator
 import types
 import typing
 from pathlib import Path
@@ -41,8 +42,7 @@ def option(default: Any, help: str, *, choices: Sequence[Any] | None = None, at_
     persist=False: an action of one invocation (--resume), left out of the written config.
     """
     meta = dict(help=help, choices=choices, at_least=at_least, above=above, below=below, at_most=at_most,
-                stages=stages,
-                persist=persist, hidden=hidden, aliases=aliases, metavar=metavar)
+                stages=stages, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar)
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -256,21 +256,20 @@ def build_config(config_cls: type[C], values: dict[str, Any], stage: str | None 
     return config
 
 
+BOUNDS = (("at_least", operator.ge, ">="), ("above", operator.gt, ">"), ("below", operator.lt, "<"),
+          ("at_most", operator.le, "<="))
+
+
 def check_bounds(config: Any) -> None:
     """ConfigError for the first setting outside its declared bounds."""
     for s in settings(type(config)).values():
         value = getattr(getattr(config, s.group), s.name)
         if value is None or s.base not in (int, float):
             continue
-        m = s.meta
-        if m["at_least"] is not None and value < m["at_least"]:
-            raise ConfigError(f"--{s.name} must be >= {m['at_least']}, got {value}")
-        if m["above"] is not None and value <= m["above"]:
-            raise ConfigError(f"--{s.name} must be > {m['above']}, got {value}")
-        if m["below"] is not None and value >= m["below"]:
-            raise ConfigError(f"--{s.name} must be < {m['below']}, got {value}")
-        if m["at_most"] is not None and value > m["at_most"]:
-            raise ConfigError(f"--{s.name} must be <= {m['at_most']}, got {value}")
+        for key, within, sign in BOUNDS:
+            bound = s.meta[key]
+            if bound is not None and not within(value, bound):
+                raise ConfigError(f"--{s.name} must be {sign} {bound}, got {value}")
 
 
 def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None,

@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out
+
 
 def bench_module(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")

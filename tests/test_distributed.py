@@ -16,6 +16,8 @@ from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 
 from model import load_model
 
+pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 
 

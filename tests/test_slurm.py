@@ -19,6 +19,8 @@ from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 pytest.importorskip("submitit")
 from launch import slurm  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out
+
 
 
 def train_args(corpus, out: Path, run: str, **over) -> list[str]:

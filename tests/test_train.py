@@ -154,6 +154,7 @@ def test_crash_while_checkpointing_keeps_the_previous_checkpoint(corpus, tmp_pat
     assert (run / "latest").read_text().strip() == "checkpoints/step_00000008"
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_training_process_checkpoints_and_resumes(corpus, tmp_path):
     cmd = [sys.executable, "train_pretrain.py", *flags(corpus, tmp_path, max_steps=100000, log_interval=1,
                                                        save_interval=100000, eval_interval=100000)]
@@ -258,7 +259,7 @@ def test_peak_flops_lookup_prefers_the_most_specific_name(monkeypatch, name, pea
     assert peak_flops(torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("flag", ["grad_checkpointing", "compile"])
+@pytest.mark.parametrize("flag", ["grad_checkpointing", pytest.param("compile", marks=pytest.mark.slow)])
 def test_memory_and_speed_flags_train_the_same_model(corpus, tmp_path, flag):
     """--grad_checkpointing recomputes activations, --compile fuses kernels: neither changes the math."""
     common = dict(max_steps=3, log_interval=1, eval_interval=100, save_interval=100)
