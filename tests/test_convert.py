@@ -9,15 +9,16 @@ import pytest
 import torch
 from conftest import ROOT, tiny_config
 
-from model import CheckpointError, PocketLM, get_preset, load_model, save_model
-from model.convert import export_hf, import_hf
+from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
+from model import CheckpointError, ConfigError, PocketLM, get_preset, load_model, save_model
+from model.convert import export_hf, from_hf_config, import_hf
 
 transformers = pytest.importorskip("transformers")
 
 CASES = {
     "llama-gqa-tied": tiny_config("llama", rope_theta=5e4),
     "llama-mha-untied": tiny_config("llama", num_key_value_heads=4, tie_word_embeddings=False),
-    "gpt2-tied": tiny_config("gpt2"),
+    "gpt2-tied": tiny_config("gpt2", norm_eps=1e-3),  # not GPT-2's default eps, so the export must write it
     "gpt2-untied-nobias": tiny_config("gpt2", tie_word_embeddings=False, bias=False),
 }
 
@@ -47,11 +48,15 @@ def test_export_logits_match_transformers(case, tmp_path):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_round_trip_through_transformers_is_exact(case, tmp_path):
     model = _random_model(CASES[case])
-    save_model(model, tmp_path / "ours")
+    save_model(model, tmp_path / "ours", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
     export_hf(tmp_path / "ours", tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "back")
     back, _ = load_model(tmp_path / "back")
     assert back.config.style == model.config.style
+    for field in ("norm_eps", "tie_word_embeddings", "rope_theta", "num_key_value_heads"):
+        assert getattr(back.config, field) == getattr(model.config, field), field
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):  # travel both ways
+        assert (tmp_path / "hf" / name).is_file() and (tmp_path / "back" / name).is_file(), name
     ids = torch.randint(0, 256, (2, 30))
     with torch.no_grad():
         torch.testing.assert_close(back(ids), model(ids), atol=1e-6, rtol=0)
@@ -82,6 +87,41 @@ def test_import_transformers_gpt2(tmp_path):
         torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
 
 
+LLAMA_HF = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                num_attention_heads=8)
+GPT2_HF = dict(model_type="gpt2", vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+
+
+@pytest.mark.parametrize("hf, message", [
+    ({**LLAMA_HF, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),
+    ({**LLAMA_HF, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope scaling"),
+    ({**LLAMA_HF, "attention_bias": True}, "attention/mlp biases"),
+    ({**LLAMA_HF, "mlp_bias": True}, "attention/mlp biases"),
+    ({**LLAMA_HF, "head_dim": 16}, "head_dim=16 != hidden/heads"),
+    ({**GPT2_HF, "activation_function": "gelu"}, "activation_function=gelu"),
+    ({**GPT2_HF, "activation_function": "relu"}, "activation_function=relu"),
+    ({**GPT2_HF, "scale_attn_by_inverse_layer_idx": True}, "non-standard attention scaling"),
+    ({**GPT2_HF, "scale_attn_weights": False}, "non-standard attention scaling"),
+    ({**LLAMA_HF, "model_type": "mistral"}, "model_type 'mistral' is not supported"),
+])
+def test_transformers_configs_we_cannot_compute_are_refused(hf, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        from_hf_config(hf, "config.json")
+
+
+def test_transformers_config_defaults():
+    """Keys a config.json may leave out take transformers' defaults for that model type."""
+    llama = from_hf_config(LLAMA_HF, "config.json")
+    assert llama.tie_word_embeddings is False and llama.num_key_value_heads == 8 and llama.norm_eps == 1e-6
+    assert llama.max_position_embeddings == 2048 and llama.style == "llama"
+    assert from_hf_config({**LLAMA_HF, "num_key_value_heads": 2, "max_position_embeddings": 8192},
+                          "c").num_key_value_heads == 2
+    gpt2 = from_hf_config(GPT2_HF, "config.json")
+    assert gpt2.tie_word_embeddings is True and gpt2.norm_eps == 1e-5 and gpt2.intermediate_size == 256
+    assert gpt2.max_seq_len == gpt2.max_position_embeddings == 128 and gpt2.style == "gpt2"
+    assert from_hf_config({**GPT2_HF, "n_positions": 1024}, "c").max_seq_len == 1024  # GPT-2 trains at full context
+
+
 def test_unsupported_transformers_config_is_named(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, hidden_act="gelu")
@@ -100,6 +140,30 @@ def test_export_copies_tokenizer_and_sets_special_ids(tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf_cfg["eos_token_id"] == [2, 0] and hf_cfg["pad_token_id"] == 0
+    assert hf_cfg["bos_token_id"] == 1  # <|im_start|>
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": [2, 0], "pad_token_id": 0}
+    # only tokens marked special count: an ordinary added token named like one is text
+    added.append({"id": 7, "content": "<|im_end|>x", "special": False})
+    (tmp_path / "ours" / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    from model.loading import special_token_ids
+    assert special_token_ids(tmp_path / "ours") == {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+
+
+def test_export_in_bfloat16(tmp_path):
+    from safetensors.torch import load_file
+    model = _random_model(CASES["llama-gqa-tied"])
+    save_model(model, tmp_path / "ours")
+    export_hf(tmp_path / "ours", tmp_path / "hf", dtype=torch.bfloat16)
+    assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_gpt2_export_refuses_grouped_query_attention(tmp_path):
+    save_model(PocketLM(tiny_config("gpt2", num_key_value_heads=2)), tmp_path / "ours")
+    with pytest.raises(ConfigError, match="GPT-2 has no grouped-query attention"):
+        export_hf(tmp_path / "ours", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()  # refused before anything is written
 
 
 def test_run_dir_latest_pointer_and_minimind_style_pth(tmp_path):
@@ -115,6 +179,46 @@ def test_run_dir_latest_pointer_and_minimind_style_pth(tmp_path):
     ids = torch.randint(0, 256, (1, 20))
     with torch.no_grad():
         torch.testing.assert_close(pth_model(ids), model(ids), atol=0, rtol=0)
+
+
+def test_wrapped_and_prefixed_state_dicts_load(tmp_path):
+    """DDP ("module."), torch.compile ("_orig_mod.") prefixes and {"model": ...}-style wrappers are unwrapped."""
+    model = _random_model(CASES["llama-gqa-tied"])
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    ids = torch.randint(0, 256, (1, 20))
+    for i, wrapped in enumerate([{"module." + k: v for k, v in state.items()},
+                                 {"module._orig_mod." + k: v for k, v in state.items()},
+                                 {"model": state, "step": 3}, {"state_dict": state}, {"model_state_dict": state}]):
+        torch.save(wrapped, tmp_path / f"w{i}.pth")
+        loaded, _ = load_model(tmp_path / f"w{i}.pth", config=model.config)
+        assert not loaded.training
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids), model(ids), atol=0, rtol=0)
+
+
+def test_load_model_casts_to_the_requested_dtype(tmp_path):
+    save_model(_random_model(CASES["llama-gqa-tied"]), tmp_path / "ours")
+    model, _ = load_model(tmp_path / "ours", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("drop", "missing 1 tensors (e.g. layers.1.mlp.up_proj.weight)"),
+    ("extra", "1 unexpected tensors (e.g. layers.0.self_attn.rotary.inv_freq)"),
+    ("untie", "lm_head.weight differs from embed_tokens.weight but the config says tie_word_embeddings=true"),
+])
+def test_checkpoint_that_does_not_match_the_config(tmp_path, edit, message):
+    model = _random_model(CASES["llama-gqa-tied"])
+    state = dict(model.state_dict())
+    if edit == "drop":
+        del state["layers.1.mlp.up_proj.weight"]
+    elif edit == "extra":
+        state["layers.0.self_attn.rotary.inv_freq"] = torch.ones(8)
+    else:
+        state["lm_head.weight"] = state["embed_tokens.weight"] + 1
+    torch.save(state, tmp_path / "w.pth")
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_model(tmp_path / "w.pth", config=model.config)
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):

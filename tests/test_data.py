@@ -206,6 +206,40 @@ def test_windows_cover_the_stream_and_resume_in_o1(pretrain_file, tokenizer, tmp
     assert np.array_equal(fresh.global_indices(g, 10), everything[g:g + 10])
 
 
+class _StreamCache:
+    """Just enough of a TokenCache for PretrainDataset: a given token stream."""
+
+    def __init__(self, n: int) -> None:
+        self.stream = np.arange(n, dtype=np.uint16)
+        self.meta = {"source": {"path": "stream"}}
+
+    def tokens(self, split: str) -> np.ndarray:
+        return self.stream
+
+
+@pytest.mark.parametrize("n", [64, 65, 80])
+def test_windows_at_the_end_of_the_stream(n):
+    """(n - 1) // L windows: with n = 64 and L = 16 the 4th window would need a 65th token for its last target."""
+    ds = PretrainDataset(_StreamCache(n), max_seq_len=16)
+    assert len(ds) == (n - 1) // 16
+    x, y = ds.batch(np.arange(len(ds)))
+    assert torch.equal(x.flatten(), torch.arange(16 * len(ds)))  # every input once, in stream order
+    assert torch.equal(y.flatten(), torch.arange(1, 16 * len(ds) + 1))
+
+
+def test_epoch_orders_depend_on_seed_and_epoch_and_resume_anywhere():
+    ds = PretrainDataset(_StreamCache(2000), max_seq_len=16, seed=3)
+    n = len(ds)
+    orders = [ds.epoch_order(e) for e in range(3)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert not np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[1], orders[2])
+    assert not np.array_equal(orders[0], PretrainDataset(_StreamCache(2000), max_seq_len=16, seed=4).epoch_order(0))
+    # one instance walking forward through epochs serves each epoch's own order
+    assert np.array_equal(ds.global_indices(0, 3 * n), np.concatenate(orders))
+    assert np.array_equal(ds.global_indices(n + 5, 10), orders[1][5:15])
+    assert np.array_equal(ds.global_indices(2 * n - 4, 8), np.concatenate([orders[1][-4:], orders[2][:4]]))
+
+
 def test_too_little_data_for_one_window(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "small.jsonl", [{"text": "tiny"}])
     cache = prepare(path, tokenizer, num_workers=0, cache_dir=tmp_path / "c", log=str)
@@ -259,6 +293,28 @@ def test_sft_batches_are_aligned_and_pad_little(tokenizer, tmp_path):
     x, y = ds.batch(order[8:16])
     assert x.shape[1] == ds.lengths[order[8:16]].max() - 1
     assert (y != IGNORE_INDEX).any(dim=1).all()  # every conversation has something to learn
+
+
+def test_sft_epoch_order_is_seeded_shuffled_and_padded_with_pad_id(tokenizer, tmp_path):
+    cache = prepare(ROOT / "dataset/demo/sft_demo.jsonl", tokenizer, "sft", num_workers=0, cache_dir=tmp_path / "c",
+                    max_seq_len=512, overlong="truncate", log=str)
+    ds = SFTDataset(cache, batch_size=8, seed=1)
+    e0, e1 = ds.epoch_order(0), ds.epoch_order(1)
+    assert len(e0) == len(ds) and len(set(e0.tolist())) == len(e0)  # distinct conversations
+    assert np.array_equal(e0, SFTDataset(cache, batch_size=8, seed=1).epoch_order(0))  # deterministic
+    assert not np.array_equal(e0, e1)  # a new order each epoch
+    assert not np.array_equal(e0, SFTDataset(cache, batch_size=8, seed=2).epoch_order(0))  # and per seed
+    # length-sorted batches are shuffled: the batches do not come longest first
+    mega = 8 * ds.group_size  # conversations sorted together
+    longest = [int(ds.lengths[e0[i:i + 8]].max()) for i in range(0, min(len(e0), mega), 8)]
+    assert len(longest) > 4 and longest != sorted(longest, reverse=True)
+    padded = SFTDataset(cache, batch_size=8, seed=1, pad_id=7)
+    mixed = np.array([int(np.argmin(padded.lengths)), int(np.argmax(padded.lengths))])
+    x, y = padded.batch(mixed)
+    for row, i in enumerate(mixed):
+        n = int(padded.lengths[i]) - 1
+        assert (x[row, n:] == 7).all() and (y[row, n:] == IGNORE_INDEX).all()
+    assert (x == 7).any()  # some row really is padded
 
 
 def test_sft_fewer_conversations_than_a_batch(tmp_path, tokenizer):

@@ -20,8 +20,8 @@ from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
 import eval_model
 from eval_model import prompt_ids
 from model import CheckpointError, PocketLM, generate, load_model, save_model
-from model.inference import (StreamDecoder, fit_chat, keep_recent, pack_documents, read_train_info,
-                             token_byte_lengths)
+from model.inference import (PerplexityStats, StreamDecoder, fit_chat, keep_recent, pack_documents,
+                             read_train_info, score_windows, split_windows, stream_generate, token_byte_lengths)
 
 GREEDY = ["--temperature", "0", "--max_new_tokens", "12", "--device", "cpu", "--dtype", "float32"]
 
@@ -124,6 +124,24 @@ def test_stream_decoder_never_splits_a_character(tokenizer):
     partial = tokenizer.encode("龘")
     assert len(partial) > 1 and [cut.push(i) for i in partial[:-1]] == [""] * (len(partial) - 1)
     assert cut.flush() == ""
+    assert cut.flush() == "" and cut.push(tokenizer.encode("a")[0]) == "a"  # the dropped fragment is gone
+
+
+def test_stream_generate_streams_the_first_row_only_while_it_is_active():
+    model = PocketLM(tiny_config(initializer_range=0.3)).eval()  # varied greedy output
+    prompts = [[5, 6, 7], [9, 8]]
+    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731 - every id is one complete piece
+    free = generate(model, prompts, max_new_tokens=8, temperature=0)
+    # an EOS that stops row 0 after a few tokens and never occurs in row 1
+    stop = [k for k in range(1, 6) if free[0][k] not in free[0][:k] + free[1]]
+    if not stop:
+        pytest.skip("random model gives no usable stop token")
+    k = stop[0]
+    shown: list[str] = []
+    new = stream_generate(model, prompts, decode, on_text=shown.append, max_new_tokens=8, temperature=0,
+                          eos_token_ids=[free[0][k]], pad_token_id=0)
+    assert new == [free[0][:k], free[1]]  # row 0 stopped, row 1 went on
+    assert "".join(shown) == decode(new[0]) and len(shown) == k  # nothing after row 0 finished
 
 
 def test_fit_chat_drops_oldest_exchanges_but_keeps_the_system_prompt():
@@ -133,6 +151,9 @@ def test_fit_chat_drops_oldest_exchanges_but_keeps_the_system_prompt():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "aaaa"},
             {"role": "assistant", "content": "bbbb"}, {"role": "user", "content": "cc"}]
     kept, ids, dropped = fit_chat(msgs, encode, budget=5)
+    assert kept == [msgs[0], msgs[3]] and dropped == 2 and len(ids) == 3
+    # Dropping the old question alone would fit (7 tokens) but leave a history opening with an answer.
+    kept, ids, dropped = fit_chat(msgs, encode, budget=7)
     assert kept == [msgs[0], msgs[3]] and dropped == 2 and len(ids) == 3
     kept, ids, dropped = fit_chat(msgs[:1] + [{"role": "user", "content": "x" * 20}], encode, budget=5)
     assert len(ids) == 21 and dropped == 0  # the newest turn stays; the caller left-truncates its ids
@@ -208,6 +229,26 @@ def test_token_byte_lengths_and_windows(tokenizer):
     assert int(lengths[[tokenizer.eot_id, tokenizer.im_start_id, tokenizer.im_end_id]].sum()) == 0
     windows = [w for w, _ in pack_documents([[1, 2, 3], [4, 5], [6]], 2)]
     assert windows == [[1, 2, 3], [3, 4, 5], [5, 6]]
+    # a lone leftover id was the previous window's last target: no window of one id
+    assert [w for w, _ in pack_documents([[1, 2, 3], [4, 5]], 2)] == [[1, 2, 3], [3, 4, 5]]
+    # split_windows: windows of length + 1 sharing their boundary id, flags cut alongside
+    ids, scored = list(range(10)), [i % 3 == 0 for i in range(10)]
+    got = list(split_windows(ids, scored, 4))
+    assert [w for w, _ in got] == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [8, 9]]
+    assert [f for _, f in got] == [scored[0:5], scored[4:9], scored[8:10]]
+    assert list(split_windows([7], [True], 4)) == []  # nothing to predict
+
+
+def test_score_windows_computes_the_loss_in_fp32_for_a_bf16_model():
+    model = PocketLM(tiny_config()).to(torch.bfloat16).eval()
+    windows = [(torch.randint(0, 256, (65,)).tolist(), [True] * 65) for _ in range(6)]
+    stats = score_windows(model, windows, torch.ones(256, dtype=torch.long), batch_size=4)
+    with torch.no_grad():
+        x = torch.tensor([w[:-1] for w, _ in windows])
+        y = torch.tensor([w[1:] for w, _ in windows])
+        nats = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="sum").item()
+    assert isinstance(stats, PerplexityStats) and stats.tokens == stats.bytes == 6 * 64
+    assert stats.nats == pytest.approx(nats, rel=1e-5)  # a bf16 loss would be off by ~1e-3
 
 
 def test_read_train_info(tmp_path):

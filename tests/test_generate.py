@@ -48,8 +48,9 @@ def test_cached_and_uncached_generation_agree(style):
     assert generate(model, prompts, use_cache=True, **kw) == generate(model, prompts, use_cache=False, **kw)
 
 
-def test_padded_prefill_logits_match_unpadded():
-    model = PocketLM(tiny_config()).eval()
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_padded_prefill_logits_match_unpadded(style):
+    model = PocketLM(tiny_config(style)).eval()  # gpt2: learned positions must follow position_ids
     prompt = torch.randint(1, 256, (1, 9))
     padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), prompt], dim=1)
     mask = torch.cat([torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], dim=1)
@@ -57,6 +58,74 @@ def test_padded_prefill_logits_match_unpadded():
     out = model(padded, position_ids=positions, attention_mask=mask)
     assert torch.isfinite(out).all()  # padding queries must not produce NaN
     torch.testing.assert_close(out[:, 6:], model(prompt), atol=1e-5, rtol=0)
+
+
+def _reference_greedy(model, prompt: list[int], n: int, penalty: float) -> list[int]:
+    """Greedy decoding the slow, obvious way: the unpadded sequence, a full forward per token, and the CTRL
+    penalty (positive logits / penalty, negative * penalty) on every id already in the sequence."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[0, -1]
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[ids] = True
+            logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_generation_matches_a_naive_decode_loop(style, use_cache):
+    """Batched, left-padded, cached (or not) generation with a repetition penalty equals decoding each prompt
+    alone with full forwards. Agreement between two paths of generate itself would miss shared errors (the
+    decode position, the penalised set); this reference shares none of its code."""
+    # A large init makes greedy choices depend on positions and on the penalty, not just the last token.
+    model = PocketLM(tiny_config(style, initializer_range=0.3)).eval()
+    prompts = [torch.randint(1, 256, (n,)).tolist() for n in (4, 13, 9)]
+    want = [_reference_greedy(model, p, 16, 1.5) for p in prompts]
+    assert len({tuple(w) for w in want}) == 3  # the prompts lead to different continuations
+    got = generate(model, prompts, max_new_tokens=16, temperature=0, repetition_penalty=1.5, pad_token_id=0,
+                   use_cache=use_cache)
+    assert got == want
+    # the penalty changes the outcome, so the comparison above really checks how it is applied
+    assert [_reference_greedy(model, p, 16, 1.0) for p in prompts] != want
+
+
+def test_repetition_penalty_sees_the_prompt_and_the_output_but_not_the_padding(monkeypatch):
+    import sys
+    gen = sys.modules["model.generate"]  # `model.generate` the attribute is the function
+    calls = []
+    real = gen.sample_next
+    monkeypatch.setattr(gen, "sample_next", lambda logits, seen, *a: calls.append(seen.clone()) or real(logits, seen, *a))
+    model = PocketLM(tiny_config()).eval()
+    prompts = [[7, 8, 9], [3, 4, 5, 6, 7, 3]]  # row 0 is left-padded with the pad id 0
+    out = generate(model, prompts, max_new_tokens=6, temperature=0, repetition_penalty=1.2, pad_token_id=0)
+    assert len(calls) == 6
+    for step, seen in enumerate(calls):
+        for row, prompt in enumerate(prompts):
+            want = set(prompt) | set(out[row][:step])
+            assert set(seen[row].nonzero().flatten().tolist()) == want, (step, row)
+
+
+def test_greedy_decoding_honours_the_position_limit_exactly():
+    model = PocketLM(tiny_config()).eval()  # max_position_embeddings 256
+    for use_cache in (True, False):
+        assert len(generate(model, [[1] * 246], max_new_tokens=10, temperature=0, use_cache=use_cache)[0]) == 10
+        with pytest.raises(ValueError, match="exceeds max_position_embeddings"):  # refused up front
+            generate(model, [[1] * 246], max_new_tokens=11, temperature=0, use_cache=use_cache)
+
+
+def test_generate_restores_training_mode_and_rejects_negative_lengths():
+    model = PocketLM(tiny_config()).train()
+    generate(model, [[1, 2]], max_new_tokens=2, temperature=0)
+    assert model.training
+    model.eval()
+    generate(model, [[1, 2]], max_new_tokens=2, temperature=0)
+    assert not model.training
+    assert generate(model, [[1, 2]], max_new_tokens=0) == [[]]
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        generate(model, [[1, 2]], max_new_tokens=-1)
 
 
 def test_sampling_is_seeded_and_respects_eos_and_streaming():
@@ -137,14 +206,27 @@ def test_greedy_is_argmax_after_penalty():
     logits, ids, seen = _logits_and_ids(0)
     got = sample_next(logits, seen, temperature=0, repetition_penalty=1.5)
     assert torch.equal(got, RepetitionPenaltyLogitsProcessor(1.5)(ids, logits.clone()).argmax(-1))
+    # With each row's best token already seen, the penalty must change the greedy pick.
+    ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    seen = seen.scatter(1, logits.argmax(-1, keepdim=True), True)
+    want = RepetitionPenaltyLogitsProcessor(1.5)(ids, logits.clone()).argmax(-1)
+    assert (want != logits.argmax(-1)).all()
+    assert torch.equal(sample_next(logits, seen, temperature=0, repetition_penalty=1.5), want)
 
 
-def test_bad_sampling_arguments():
+@pytest.mark.parametrize("kwargs", [dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-0.5),
+                                    dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0)])
+def test_bad_sampling_arguments(kwargs):
     with pytest.raises(ValueError, match="top_p"):
-        sample_next(torch.zeros(1, 5), top_p=0.0)
+        sample_next(torch.zeros(1, 5), **kwargs)
 
 
 def test_kv_cache_cannot_outgrow_the_position_table():
     model = PocketLM(tiny_config()).eval()  # max_position_embeddings 256
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
         KVCache(model.config, 1, 257)
+    cache = KVCache(model.config, 1, 256)  # exactly the table: allowed
+    model(torch.randint(0, 256, (1, 250)), kv_cache=cache)
+    with pytest.raises(ValueError, match="KV cache holds 256 positions; 257 requested"):
+        model(torch.randint(0, 256, (1, 7)), kv_cache=cache)
+    assert cache.length == 250  # a refused step stores nothing

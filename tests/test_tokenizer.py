@@ -8,7 +8,8 @@ import sys
 import pytest
 from conftest import ROOT, write_jsonl
 
-from dataset.tokenizer import (IM_END, SPECIAL_TOKENS, Tokenizer, TokenizerError, save_tokenizer, train_bpe)
+from dataset.tokenizer import (CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS, SPECIAL_TOKENS_MAP, Tokenizer, TokenizerError,
+                               save_tokenizer, train_bpe)
 
 ROUND_TRIP = {
     "english": "The quick brown fox jumps over the lazy dog. It's 3.14159, isn't it?",
@@ -87,6 +88,13 @@ def test_labelled_spans_are_exactly_the_assistant_answers(tokenizer):
         assert run == tokenizer.encode(answer) + [tokenizer.im_end_id]
         assert tokenizer.decode(run) == answer + IM_END
     assert turn_ends[-1] == len(ids) and len(turn_ends) == len(CONVERSATION)
+    # each turn ends after its "<|im_end|>\n"; the next one starts with <|im_start|>
+    assert all(ids[e - 2:e] == [tokenizer.im_end_id, tokenizer.newline_id] for e in turn_ends)
+    assert all(ids[e] == tokenizer.im_start_id for e in turn_ends[:-1])
+    # the generation prompt's assistant header is never a target
+    ids, labelled, _ = tokenizer.encode_chat(CONVERSATION[:2], add_generation_prompt=True)
+    header = [tokenizer.im_start_id] + tokenizer.encode("assistant\n")
+    assert ids[-len(header):] == header and len(labelled) == len(ids) and not any(labelled)
 
 
 def test_transformers_chat_template_yields_the_training_ids(tokenizer):
@@ -101,6 +109,22 @@ def test_transformers_chat_template_yields_the_training_ids(tokenizer):
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
     assert list(prompt) == tokenizer.chat_prompt(CONVERSATION[:2])
     assert hf.eos_token == IM_END and hf.pad_token_id == tokenizer.pad_id
+    # The shipped files are the ones this code writes (a stale template would be what transformers uses).
+    shipped = json.loads((tokenizer.path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert shipped["chat_template"] == CHAT_TEMPLATE
+    assert {k: shipped[k] for k in SPECIAL_TOKENS_MAP} == SPECIAL_TOKENS_MAP
+    assert json.loads((tokenizer.path / "special_tokens_map.json").read_text()) == SPECIAL_TOKENS_MAP
+
+
+def test_freshly_saved_tokenizer_renders_the_training_ids(tmp_path, tokenizer):
+    """save_tokenizer writes CHAT_TEMPLATE: transformers on a new directory agrees with encode_chat too."""
+    transformers = pytest.importorskip("transformers")
+    save_tokenizer(tokenizer._tok, tmp_path / "tok")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    got = hf.apply_chat_template(CONVERSATION, tokenize=True)
+    got = got["input_ids"] if hasattr(got, "keys") else got
+    assert list(got) == tokenizer.encode_chat(CONVERSATION)[0]
+    assert hf.eos_token == IM_END and hf.bos_token == "<|im_start|>" and hf.pad_token == "<|endoftext|>"
 
 
 def test_train_tokenizer_cli(tmp_path):
@@ -122,6 +146,21 @@ def test_tokenizer_that_does_not_fit_the_model(tokenizer):
     with pytest.raises(TokenizerError, match="has 6400 tokens but the model has vocab_size 512"):
         tokenizer.check_fits(512)
     tokenizer.check_fits(6400)
+
+
+def test_special_tokens_must_come_first():
+    with pytest.raises(TokenizerError, match="special tokens must start with"):
+        train_bpe(iter(["some text"] * 5), vocab_size=300, special_tokens=["<a>", "<b>", "<c>"])
+
+
+def test_tokenizer_without_a_one_token_newline_is_refused(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+    tok = HFTokenizer(models.WordLevel({t: i for i, t in enumerate([*SPECIAL_TOKENS, "[UNK]"])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # drops "\n" entirely
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(TokenizerError, match="a newline encodes to 0 tokens"):
+        Tokenizer(tmp_path)
 
 
 def test_missing_or_broken_tokenizer_files(tmp_path):
