@@ -23,8 +23,19 @@ from dataset.jsonl import SkipReport, check_path, read_records
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import load_model
 from model.generate import SamplingConfig
-from model.inference import (DeviceConfig, fit_chat, keep_recent, pack_documents, read_train_info, resolve_device,
-                             resolve_dtype, score_windows, split_windows, stream_generate, token_byte_lengths)
+from model.inference import (
+    DeviceConfig,
+    fit_chat,
+    keep_recent,
+    pack_documents,
+    read_train_info,
+    resolve_device,
+    resolve_dtype,
+    score_windows,
+    split_windows,
+    stream_generate,
+    token_byte_lengths,
+)
 
 
 def note(message: str) -> None:

@@ -30,8 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .jsonl import (DEFAULT_MAX_LINE_BYTES, DataError, SkipReport, check_path, iter_raw_lines, parse_line,
-                    write_atomic)
+from .jsonl import DEFAULT_MAX_LINE_BYTES, DataError, SkipReport, check_path, iter_raw_lines, parse_line, write_atomic
 from .tokenizer import Tokenizer
 
 CACHE_VERSION = 1

@@ -41,8 +41,7 @@ import numpy as np
 from datasketch import MinHash, MinHashLSH
 
 from dataset.cache import GOLDEN_GAMMA, splitmix64
-from dataset.jsonl import (DataError, SkipReport, check_path, iter_raw_lines, parse_line, read_records,
-                           write_atomic)
+from dataset.jsonl import DataError, SkipReport, check_path, iter_raw_lines, parse_line, read_records, write_atomic
 
 STEPS = ("html_tags", "html_entities", "unicode", "control_chars", "whitespace")
 DROP_REASONS = ("bad_line", "empty_after_cleaning", "too_short", "too_long", "exact_duplicate", "near_duplicate")

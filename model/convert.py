@@ -17,8 +17,15 @@ import torch
 
 from .config import ConfigError, ModelConfig, get_preset
 from .inference import DTYPES
-from .loading import (CONFIG_NAME, WEIGHTS_NAME, CheckpointError, copy_tokenizer_files, load_model,
-                      read_state_dict, special_token_ids)
+from .loading import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    copy_tokenizer_files,
+    load_model,
+    read_state_dict,
+    special_token_ids,
+)
 from .model import PocketLM
 
 # PocketLM's GELU is the tanh approximation; these transformers activation names compute exactly that.

@@ -31,7 +31,12 @@ sys.path.insert(0, str(ROOT))
 from dataset.cache import file_sha256  # noqa: E402
 from dataset.jsonl import DataError, SkipReport, check_path, read_records  # noqa: E402
 from dataset.tokenizer import (  # noqa: E402
-    DEFAULT_TOKENIZER_DIR, SPECIAL_TOKENS, Tokenizer, TokenizerError, save_tokenizer, train_bpe,
+    DEFAULT_TOKENIZER_DIR,
+    SPECIAL_TOKENS,
+    Tokenizer,
+    TokenizerError,
+    save_tokenizer,
+    train_bpe,
 )
 
 DEFAULT_DATA_PATH = "/work/data/bench/pretrain_bench.jsonl"

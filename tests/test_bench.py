@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 import torch
+
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out

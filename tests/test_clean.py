@@ -11,8 +11,17 @@ import numpy as np
 import pytest
 from datasketch import MinHash
 
-from dataset.clean import (CleanOptions, CleanStats, Deduper, clean_file, clean_records, clean_text, dedup_texts,
-                           report_path, shingle_hashes)
+from dataset.clean import (
+    CleanOptions,
+    CleanStats,
+    Deduper,
+    clean_file,
+    clean_records,
+    clean_text,
+    dedup_texts,
+    report_path,
+    shingle_hashes,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -410,11 +419,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l, ensure_ascii=False)) + "\n"
-                            for l in lines), encoding="utf-8")
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n"
+                            for r in lines), encoding="utf-8")
     return path
 
 
+@pytest.mark.slow  # starts a process
 def test_cli_writes_output_and_report(tmp_path: Path) -> None:
     rng = random.Random(5)
     vocab = _vocab(rng)
@@ -461,6 +471,7 @@ def test_lone_surrogates_never_break_the_output(tmp_path: Path) -> None:
     assert json.loads(out.read_bytes().decode("utf-8")) == {"text": "odd  text", "note": "\udc00 kept"}
 
 
+@pytest.mark.slow  # starts a process
 def test_cli_bad_line_stops_with_file_line_error(tmp_path: Path) -> None:
     raw = _write_jsonl(tmp_path / "raw.jsonl", [{"text": "fine line"}, '{"text": "broken', {"text": "ok"}])
     out = tmp_path / "clean.jsonl"
@@ -472,6 +483,7 @@ def test_cli_bad_line_stops_with_file_line_error(tmp_path: Path) -> None:
     assert not out.exists() and list(tmp_path.iterdir()) == [raw]  # nothing half-written
 
 
+@pytest.mark.slow  # starts a process
 def test_cli_skip_bad_lines_counts_them(tmp_path: Path) -> None:
     raw = _write_jsonl(tmp_path / "raw.jsonl", [
         {"text": "fine line one"}, '{"text": "broken', "[1, 2]",
@@ -489,6 +501,7 @@ def test_cli_skip_bad_lines_counts_them(tmp_path: Path) -> None:
     assert any("raw.jsonl:2" in e for e in report["bad_line_examples"])
 
 
+@pytest.mark.slow  # starts a process
 def test_cli_missing_empty_and_wrong_kind(tmp_path: Path) -> None:
     out = str(tmp_path / "clean.jsonl")
     for raw, message in [(tmp_path / "nope.jsonl", "no such file"),

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli_flags, read_metrics
 
 import eval_model
 import train_full_sft
@@ -17,6 +16,8 @@ from common.errors import ConfigError
 from dataset import cache as cache_mod
 from model import load_model
 from trainer_utils.config import STAGE_DEFAULTS, TrainConfig, parse_train_config
+
+from conftest import ROOT, cli_flags, read_metrics
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tiny_config
 
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
 from model import CheckpointError, ConfigError, PocketLM, get_preset, load_model, save_model
 from model.convert import export_hf, from_hf_config, import_hf
+
+from conftest import ROOT, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -245,6 +246,7 @@ def _convert(*args: str) -> subprocess.CompletedProcess:
     ("custom", ["--checkpoint", "{d}/custom"], "no transformers class matches"),
     ("none", ["--from_hf", "{d}", "--out_dir", "{d}/x"], "no config.json"),
 ])
+@pytest.mark.slow  # starts a process
 def test_convert_cli_errors_are_one_line(tmp_path, setup, args, message):
     if setup == "text":
         (tmp_path / "notes.txt").write_text("hello")
@@ -264,6 +266,7 @@ def test_convert_cli_errors_are_one_line(tmp_path, setup, args, message):
     assert message in lines[0]
 
 
+@pytest.mark.slow  # starts a process
 def test_convert_cli_success(tmp_path):
     save_model(PocketLM(get_preset("tiny")), tmp_path / "ours")
     result = _convert("--checkpoint", str(tmp_path / "ours"), "--out_dir", str(tmp_path / "hf"))

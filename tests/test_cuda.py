@@ -9,9 +9,10 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, tiny_config
 
 from model import KVCache, PocketLM
+
+from conftest import ROOT, read_metrics, tiny_config
 
 # bench/gpu_check.sh sets POCKETLM_REQUIRE_CUDA=1: there a missing GPU must fail, not skip.
 if not torch.cuda.is_available() and os.environ.get("POCKETLM_REQUIRE_CUDA") == "1":

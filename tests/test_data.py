@@ -7,13 +7,14 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, write_jsonl
 
 from dataset import cache as cache_mod
 from dataset.cache import DEFAULT_SPLIT_SEED, in_validation, prepare, token_dtype
 from dataset.datasets import PretrainDataset, SFTDataset
 from dataset.jsonl import DataError, SkipReport, read_records
 from dataset.tokenizer import IGNORE_INDEX
+
+from conftest import ROOT, write_jsonl
 
 DOCS = [f"Document number {i}. " + "Some words about topic %d. " % (i % 7) * (1 + i % 5) + "中文句子。" * (i % 3)
         for i in range(120)]
@@ -96,7 +97,8 @@ def test_stream_is_documents_joined_by_endoftext(pretrain_file, tokenizer, tmp_p
     cache = prepare(pretrain_file, tokenizer, val_fraction=0.1, num_workers=0, cache_dir=tmp_path / "c", log=str)
     val = in_validation(np.arange(1, len(DOCS) + 1), 0.1, DEFAULT_SPLIT_SEED)
     assert 0 < val.sum() < len(DOCS)
-    for split, docs in (("train", [d for d, v in zip(DOCS, val) if not v]), ("val", [d for d, v in zip(DOCS, val) if v])):
+    for split, docs in (("train", [d for d, v in zip(DOCS, val) if not v]),
+                        ("val", [d for d, v in zip(DOCS, val) if v])):
         expected = [t for d in docs for t in tokenizer.encode(d) + [tokenizer.eot_id]]
         assert cache.tokens(split).tolist() == expected
         offsets = cache.offsets(split)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 
 from model import load_model
+
+from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 
 pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out
 

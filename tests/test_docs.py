@@ -5,7 +5,6 @@ import argparse
 import re
 
 import pytest
-from conftest import ROOT
 
 import eval_model
 import train_full_sft
@@ -14,6 +13,8 @@ import train_tokenizer
 from dataset import cache, clean
 from launch import slurm
 from model import convert
+
+from conftest import ROOT
 
 LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch") for p in (ROOT / d).rglob("*.py")]
 ENTRY_POINTS = {"train_pretrain.py": train_pretrain.main, "train_full_sft.py": train_full_sft.main,
@@ -60,9 +61,9 @@ def test_files_named_in_docstrings_exist():
 
 def test_vocabulary_mismatch_advice_names_a_training_flag(tmp_path, capsys, monkeypatch):
     """A model whose embedding table is smaller than the tokenizer: the advice must be a flag training has."""
-    from conftest import tiny_config
-
     from model import PocketLM, save_model
+
+    from conftest import tiny_config
     save_model(PocketLM(tiny_config(vocab_size=256)), tmp_path / "small")
     training_flags = flags_of(train_full_sft.main, monkeypatch)
     assert train_full_sft.main(["--init_from", str(tmp_path / "small"), "--out_dir", str(tmp_path)]) == 2

@@ -14,14 +14,25 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, tiny_config, write_jsonl
 
-from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
 import eval_model
+from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
 from eval_model import prompt_ids
 from model import CheckpointError, PocketLM, generate, load_model, save_model
-from model.inference import (PerplexityStats, StreamDecoder, fit_chat, keep_recent, pack_documents,
-                             read_train_info, score_windows, split_windows, stream_generate, token_byte_lengths)
+from model.inference import (
+    PerplexityStats,
+    StreamDecoder,
+    fit_chat,
+    keep_recent,
+    pack_documents,
+    read_train_info,
+    score_windows,
+    split_windows,
+    stream_generate,
+    token_byte_lengths,
+)
+
+from conftest import ROOT, tiny_config, write_jsonl
 
 GREEDY = ["--temperature", "0", "--max_new_tokens", "12", "--device", "cpu", "--dtype", "float32"]
 
@@ -69,6 +80,7 @@ def test_prompt_ids_use_chat_template_only_for_sft(tokenizer):
     assert prompt_ids(tokenizer, "pretrain", "") == [tokenizer.eot_id]  # empty prompt = start of a document
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.parametrize("stage", ["pretrain", "sft"])
 def test_prompt_generates_what_the_stage_calls_for(runs, tokenizer, stage):
     res = _eval("--checkpoint", str(runs[stage]), "--prompt", "Once upon a time", *GREEDY)
@@ -88,6 +100,7 @@ def test_long_prompt_keeps_the_most_recent_tokens(runs, capsys):
     assert "note: prompt too long" in err and "kept the last 6" in err
 
 
+@pytest.mark.slow  # starts a process
 def test_chat_streams_replies_and_reset_clears_history(runs, tokenizer):
     res = _eval("--checkpoint", str(runs["sft"]), "--chat", *GREEDY, stdin="hello\n/reset\nhi\n")
     assert res.returncode == 0, res.stderr
@@ -103,6 +116,7 @@ def test_chat_streams_replies_and_reset_clears_history(runs, tokenizer):
     assert with_history != second  # so the check above really tells a reset from a kept history
 
 
+@pytest.mark.slow  # starts a process
 def test_probes_print_each_prompt_with_its_completion(runs, tmp_path):
     probes = tmp_path / "probes.txt"
     probes.write_text("# capitals\nThe capital of France is\n\n中国的首都是\n", encoding="utf-8")
@@ -167,9 +181,10 @@ def _parse_ppl(stdout: str) -> dict[str, float]:
     return {"ppl": float(m[1]), "bpb": float(m[2]), "loss": float(m[3]), "tokens": int(m[4]), "bytes": int(m[6])}
 
 
+@pytest.mark.slow  # starts a process
 def test_ppl_on_text_matches_an_independent_computation(runs, tokenizer, tmp_path):
-    texts = ["The quick brown fox jumps over the lazy dog. " * 4,
-             "你好，世界。今天天气很好，我们去公园散步吧。", "Short one.", "Perplexity is the exponential of the mean negative log-likelihood per token. " * 2]
+    texts = ["The quick brown fox jumps over the lazy dog. " * 4, "你好，世界。今天天气很好，我们去公园散步吧。",
+             "Short one.", "Perplexity is the exponential of the mean negative log-likelihood per token. " * 2]
     data = write_jsonl(tmp_path / "val.jsonl", [{"text": t} for t in texts])
     res = _eval("--checkpoint", str(runs["pretrain"]), "--ppl", str(data), "--device", "cpu")
     assert res.returncode == 0, res.stderr
@@ -196,6 +211,7 @@ def test_ppl_on_text_matches_an_independent_computation(runs, tokenizer, tmp_pat
     assert got["bpb"] == pytest.approx(nats / 0.6931471805599453 / n_bytes, abs=1e-4)
 
 
+@pytest.mark.slow  # starts a process
 def test_ppl_on_conversations_scores_only_assistant_tokens(runs, tokenizer, tmp_path):
     convs = [[{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": " Hello! 你好 "}],
              [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
@@ -262,6 +278,7 @@ def test_read_train_info(tmp_path):
 
 
 # ----------------------------------------------------------------------------- errors
+@pytest.mark.slow  # starts a process
 def test_bad_input_is_one_error_line_and_exit_2(runs, tmp_path, capsys):
     (tmp_path / "not_a_model").mkdir()
     (tmp_path / "not_a_model" / "notes.txt").write_text("hi")
@@ -302,6 +319,7 @@ def test_unusable_device_is_a_usage_error_in_every_script(runs, tmp_path, capsys
 
 
 # --------------------------------------------------------------------------- plotting
+@pytest.mark.slow  # starts a process
 def test_plot_metrics_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
 
 from model import KVCache, PocketLM, generate
 from model.generate import apply_repetition_penalty, apply_top_k, apply_top_p, sample_next
+
+from conftest import tiny_config
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
@@ -97,7 +98,8 @@ def test_repetition_penalty_sees_the_prompt_and_the_output_but_not_the_padding(m
     gen = sys.modules["model.generate"]  # `model.generate` the attribute is the function
     calls = []
     real = gen.sample_next
-    monkeypatch.setattr(gen, "sample_next", lambda logits, seen, *a: calls.append(seen.clone()) or real(logits, seen, *a))
+    monkeypatch.setattr(gen, "sample_next",
+                        lambda logits, seen, *a: calls.append(seen.clone()) or real(logits, seen, *a))
     model = PocketLM(tiny_config()).eval()
     prompts = [[7, 8, 9], [3, 4, 5, 6, 7, 3]]  # row 0 is left-padded with the pad id 0
     out = generate(model, prompts, max_new_tokens=6, temperature=0, repetition_penalty=1.2, pad_token_id=0)
@@ -161,7 +163,11 @@ def test_generation_past_max_positions_is_refused():
 # ----------------------------------------------------------- filters vs transformers' processors
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402
-    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 def _logits_and_ids(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,9 +6,10 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_config
 
 from model import PRESETS, ConfigError, ModelConfig, PocketLM, get_preset
+
+from conftest import tiny_config
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
@@ -269,7 +270,7 @@ def test_learned_positions_refuse_positions_past_the_table():
 
 
 def test_readme_preset_table_is_current():
-    from conftest import ROOT
-
     from model.config import preset_table
+
+    from conftest import ROOT
     assert preset_table() in (ROOT / "README.md").read_text(), "README preset table is stale: run python -m model"

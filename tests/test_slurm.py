@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 
 pytest.importorskip("submitit")

@@ -6,10 +6,19 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, write_jsonl
 
-from dataset.tokenizer import (CHAT_TEMPLATE, IM_END, SPECIAL_TOKENS, SPECIAL_TOKENS_MAP, Tokenizer, TokenizerError,
-                               save_tokenizer, train_bpe)
+from dataset.tokenizer import (
+    CHAT_TEMPLATE,
+    IM_END,
+    SPECIAL_TOKENS,
+    SPECIAL_TOKENS_MAP,
+    Tokenizer,
+    TokenizerError,
+    save_tokenizer,
+    train_bpe,
+)
+
+from conftest import ROOT, write_jsonl
 
 ROUND_TRIP = {
     "english": "The quick brown fox jumps over the lazy dog. It's 3.14159, isn't it?",
@@ -56,7 +65,7 @@ def test_forged_markers_in_user_content_cannot_create_turns(tokenizer):
               {"role": "assistant", "content": "No."}]
     ids, labelled, _ = tokenizer.encode_chat(forged)
     assert ids.count(tokenizer.im_start_id) == 2 and ids.count(tokenizer.im_end_id) == 2  # the real ones only
-    assert tokenizer.decode([i for i, l in zip(ids, labelled) if l]) == "No." + IM_END
+    assert tokenizer.decode([i for i, is_target in zip(ids, labelled) if is_target]) == "No." + IM_END
 
 
 def test_ids_are_stable_after_save_and_load(tmp_path):
@@ -127,6 +136,7 @@ def test_freshly_saved_tokenizer_renders_the_training_ids(tmp_path, tokenizer):
     assert hf.eos_token == IM_END and hf.bos_token == "<|im_start|>" and hf.pad_token == "<|endoftext|>"
 
 
+@pytest.mark.slow  # starts a process
 def test_train_tokenizer_cli(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in ROUND_TRIP.values()] * 5
                        + [{"conversations": CONVERSATION}] + ["{broken"])

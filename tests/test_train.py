@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (ROOT, cli_flags, demo_records, read_metrics, strict_records, tiny_config,
-                      train_through_an_empty_step, wait_for_metrics, write_jsonl)
 
 import train_full_sft
 import train_pretrain
@@ -22,6 +20,18 @@ from trainer_utils import loop as loop_mod
 from trainer_utils.config import parse_train_config
 from trainer_utils.metrics import flops_per_token, peak_flops
 from trainer_utils.optim import WarmupCosine
+
+from conftest import (
+    ROOT,
+    cli_flags,
+    demo_records,
+    read_metrics,
+    strict_records,
+    tiny_config,
+    train_through_an_empty_step,
+    wait_for_metrics,
+    write_jsonl,
+)
 
 TEXTS = [r["text"] for r in demo_records("pretrain_demo.jsonl", 40)]
 

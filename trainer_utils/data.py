@@ -13,7 +13,6 @@ from typing import Iterator
 import torch
 
 
-
 class StepFeeder:
     """Yields, for each optimizer step, this rank's list of (inputs, targets) micro-batches on the device."""
 
