@@ -223,6 +223,14 @@ def test_flags_are_checked_before_data_preparation(corpus, tmp_path, capsys, ext
     assert not cache.exists()
 
 
+def test_an_unknown_dtype_is_a_usage_error_before_data_preparation(corpus, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    with pytest.raises(SystemExit) as usage:
+        train_pretrain.main(flags(corpus, tmp_path, cache_dir=cache, dtype="fp8"))
+    assert usage.value.code == 2 and "--dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+    assert not cache.exists()
+
+
 @pytest.mark.parametrize("flag,module", [("--use_wandb", "wandb"), ("--use_tensorboard", "tensorboard"),
                                          ("--deepspeed", "deepspeed")])
 def test_missing_optional_package_names_the_install_command(corpus, tmp_path, capsys, monkeypatch, flag, module):
