@@ -11,6 +11,7 @@ from typing import Iterable
 from .errors import ConfigError
 
 LATEST_NAME = "latest"  # out/<run>/latest holds "checkpoints/step_..." of the newest complete checkpoint
+BEST_NAME = "best"  # out/<run>/best: the checkpoint with the lowest validation loss (with early stopping)
 TRAIN_INFO_NAME = "train_info.json"  # stage and step of a checkpoint
 TRAIN_CONFIG_NAME = "train_config.json"  # a run's full configuration, itself a valid --config file
 

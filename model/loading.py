@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from common.errors import CheckpointError
-from common.files import LATEST_NAME
+from common.files import BEST_NAME, LATEST_NAME
 
 from .config import ConfigError, ModelConfig
 from .model import PocketLM
@@ -53,15 +53,16 @@ def save_model(model: PocketLM, out_dir: str | Path, tokenizer_dir: str | Path |
 
 
 def resolve_model_dir(path: str | Path) -> Path:
-    """Follow a run directory's `latest` pointer to the model directory it names."""
+    """The model directory `path` names: itself, or where a run directory's `latest` pointer (or the pointer
+    file given directly, e.g. out/<run>/best) points."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    latest = path / LATEST_NAME
-    if path.is_dir() and not (path / WEIGHTS_NAME).exists() and latest.is_file():
-        target = path / latest.read_text().strip()
+    pointer = path if path.is_file() and path.name in (LATEST_NAME, BEST_NAME) else path / LATEST_NAME
+    if not (path / WEIGHTS_NAME).exists() and pointer.is_file():
+        target = pointer.parent / pointer.read_text().strip()
         if not (target / WEIGHTS_NAME).is_file():
-            raise CheckpointError(f"{latest}: points at {target}, which holds no {WEIGHTS_NAME}")
+            raise CheckpointError(f"{pointer}: points at {target}, which holds no {WEIGHTS_NAME}")
         return target
     return path
 

@@ -39,7 +39,8 @@ def test_flags_keep_minimind_names_and_help_is_grouped(capsys):
                  "--log_interval", "--use_wandb", "--grad_clip", "--dtype", "--num_workers", "--config"):
         assert flag in out, flag
     groups = [line for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert groups[-5:] == ["data:", "model:", "optimization:", "precision and devices:", "output and logging:"]
+    assert groups[-6:] == ["data:", "model:", "optimization:", "precision and devices:", "output and logging:",
+                           "evaluation:"]
     assert "--overlong" not in out  # an SFT setting
 
 

@@ -1,14 +1,15 @@
 """Atomic, resumable checkpoints of a run directory.
 
     out/<run>/latest                          "checkpoints/step_00000200" (updated last)
+    out/<run>/best                            the lowest validation loss so far (with early stopping)
     out/<run>/checkpoints/step_00000200/      model.safetensors, config.json, tokenizer files  (inference)
                                               train_info.json                                  (stage, step)
                                               training_state.pt                                (resume)
 
 A checkpoint is written into a temporary directory, fsynced, renamed into place, and only then does `latest`
 move to it (itself via a temp file + rename). A crash at any point leaves the previous checkpoint and pointer
-intact. The last `keep_last` checkpoints are kept. Weights for inference are loaded by model.loading; this
-module owns the training state only.
+intact. The last `keep_last` checkpoints are kept, and the one `best` points to. Weights for inference are
+loaded by model.loading; this module owns the training state only.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from common.errors import CheckpointError
-from common.files import LATEST_NAME, TRAIN_INFO_NAME, write_atomic
+from common.files import BEST_NAME, LATEST_NAME, TRAIN_INFO_NAME, write_atomic
 from model.loading import save_model
 
 STATE_NAME = "training_state.pt"
@@ -38,6 +39,11 @@ def _fsync_tree(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where checkpoint `step` of a run lives once complete."""
+    return run_dir / CHECKPOINTS / f"step_{step:08d}"
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:
@@ -57,9 +63,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_s
                     info: dict[str, Any], tokenizer_dir: Path | None, keep_last: int = 3) -> Path:
     """Complete checkpoint `step` in its staging_dir (which may already hold other ranks' files), rename it into
     place atomically and point `latest` at it; return its directory."""
-    root = run_dir / CHECKPOINTS
-    name = f"step_{step:08d}"
-    final = root / name
+    final = checkpoint_dir(run_dir, step)
     tmp = staging_dir(run_dir, step)
     tmp.mkdir(parents=True, exist_ok=True)
     try:
@@ -74,15 +78,23 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_s
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_atomic(run_dir / LATEST_NAME, f"{CHECKPOINTS}/{name}\n")
-    _prune(root, keep_last, keep=final)
+    write_atomic(run_dir / LATEST_NAME, f"{final.relative_to(run_dir)}\n")
+    _prune(run_dir, keep_last, keep=final)
     return final
 
 
-def _prune(root: Path, keep_last: int, keep: Path) -> None:
+def mark_best(run_dir: Path, checkpoint_dir: Path) -> None:
+    """Point `best` at a complete checkpoint of this run (atomically, like `latest`)."""
+    write_atomic(run_dir / BEST_NAME, f"{checkpoint_dir.relative_to(run_dir)}\n")
+
+
+def _prune(run_dir: Path, keep_last: int, keep: Path) -> None:
+    root = run_dir / CHECKPOINTS
+    best = run_dir / BEST_NAME
+    protected = {keep, run_dir / best.read_text().strip()} if best.is_file() else {keep}
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in steps[: max(0, len(steps) - keep_last)]:
-        if old != keep:
+        if old not in protected:
             shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-*"):  # debris of a crashed earlier save
         shutil.rmtree(stale, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""The training configuration: typed groups (data, model, optimization, precision/devices, output/logging) that
-every training script shares, with MiniMind's flag names. Stages differ only in their defaults (STAGE_DEFAULTS).
+"""The training configuration: typed groups (data, model, optimization, precision/devices, output/logging,
+evaluation) that every training script shares, with MiniMind's flag names. Stages differ only in their
+defaults (STAGE_DEFAULTS).
 
     python train_pretrain.py --config recipes/minimind-26m-pretrain.yaml --max_steps 100
 
@@ -106,11 +107,28 @@ class RunConfig:
     save_interval: int = option(500, "steps between checkpoints", at_least=1)
     keep_last: int = option(3, "checkpoints kept", at_least=1)
     log_interval: int = option(10, "steps between log records", at_least=1)
-    eval_interval: int = option(500, "steps between validation passes", at_least=1)
-    eval_batches: int = option(20, "validation batches per pass", at_least=1)
     use_wandb: bool = option(False, "log to wandb (offline unless WANDB_API_KEY is set)")
     wandb_project: str = option("pocketlm", "wandb project", metavar="NAME")
     use_tensorboard: bool = option(False, "log to TensorBoard (out/<run>/tensorboard)")
+
+
+@dataclass
+class EvalOptions:
+    """When the model is scored on held-out data, and when that score ends the run."""
+
+    title: ClassVar[str] = "evaluation"
+    eval_interval: int = option(500, "steps between validation passes", at_least=1)
+    eval_batches: int = option(20, "validation batches per pass", at_least=1)
+    early_stop_patience: int | None = option(
+        None, "stop when the validation loss has not improved for this many evaluations (off by default)",
+        at_least=1)
+    overfit_gap: float | None = option(
+        None, "stop when the validation loss exceeds the training loss by more than this (off by default; "
+              "0.5 is a common choice)", above=0)
+
+    @property
+    def early_stopping(self) -> bool:
+        return self.early_stop_patience is not None or self.overfit_gap is not None
 
 
 @dataclass
@@ -122,11 +140,15 @@ class TrainConfig:
     optim: OptimConfig
     precision: PrecisionConfig
     run: RunConfig
+    eval: EvalOptions
 
     def check(self) -> None:
         """Cross-setting checks that need nothing slow (no data, model or device), so they fail at once."""
         if self.run.resume and self.run.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other")
+        if self.eval.early_stopping and self.data.val_fraction == 0:
+            raise ConfigError("--early_stop_patience and --overfit_gap watch the validation loss; they need "
+                              "--val_fraction > 0")
         if self.model.init_from is not None:
             given = [f"--{k}" for k in ModelOptions.SHAPE_FLAGS if getattr(self.model, k) is not None]
             if given:

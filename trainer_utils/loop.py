@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from common.config import RESOLVED_KEY, to_dict
 from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
-from common.files import TRAIN_CONFIG_NAME, write_atomic
+from common.files import BEST_NAME, TRAIN_CONFIG_NAME, write_atomic
 from dataset.config import prepare_data
 from dataset.datasets import PretrainDataset, SFTDataset
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
@@ -35,7 +35,15 @@ from model.config import architecture, model_name
 from model.loading import load_state_into, read_state_dict, resolve_model_dir
 
 from .backend import Backend
-from .checkpoint import latest_checkpoint, load_training_state, new_staging_dir, save_checkpoint, staging_dir
+from .checkpoint import (
+    checkpoint_dir,
+    latest_checkpoint,
+    load_training_state,
+    mark_best,
+    new_staging_dir,
+    save_checkpoint,
+    staging_dir,
+)
 from .config import DEFAULT_PRESET, ModelOptions, TrainConfig, parse_train_config
 from .data import StepFeeder, eval_batches
 from .distributed import detect_env, device_for, make_backend
@@ -124,6 +132,9 @@ class Session:
             if self.env.rank == 0:
                 shutil.rmtree(self.run_dir)
         self.train_data, self.val_data = self._datasets()
+        if config.eval.early_stopping and self.val_data is None:
+            raise ConfigError(f"{config.data.data_path}: no validation documents at --val_fraction "
+                              f"{config.data.val_fraction}; early stopping needs some (raise --val_fraction)")
         self.backend: Backend = make_backend(config, self.env, self.device, self.precision)
 
     def _default_tokenizer(self) -> Path:
@@ -195,6 +206,8 @@ class Trainer:
         # per step); the plain numbers are what checkpoints and the log read.
         self.step, self.cursor, self.tokens_seen, self.skipped, self.bad_in_a_row = 0, 0, 0, 0, 0
         self.val_loss: float | None = None
+        self.last_train_loss: float | None = None  # of the last logged window, for --overfit_gap
+        self.best = {"val_loss": None, "step": None, "evals_since": 0}  # early stopping's memory (checkpointed)
         self.last_saved = -1
         zero = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
         self.counters = {"tokens_seen": zero(), "skipped": zero(), "bad_in_a_row": zero(), "grad_norm": zero()}
@@ -228,6 +241,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.cursor, self.tokens_seen = state["step"], state["cursor"], state["tokens_seen"]
         self.counters["tokens_seen"] += self.tokens_seen
+        self.best.update(state.get("early_stop", {}))
         set_rng_state(state["rng"])
         if state.get("world_size") != self.backend.world_size and self.backend.is_main:
             print(f"resuming a {state.get('world_size')}-rank run on {self.backend.world_size} ranks: the "
@@ -248,7 +262,7 @@ class Trainer:
             state = {**backend_state, "scheduler": self.scheduler.state_dict(), "step": self.step,
                      "cursor": self.cursor, "tokens_seen": self.tokens_seen, "rng": rng_state(),
                      "world_size": backend.world_size, "tokenizer_sha256": self.s.tokenizer.sha256,
-                     "config": to_dict(self.config, self.s.stage)}
+                     "early_stop": dict(self.best), "config": to_dict(self.config, self.s.stage)}
             info = {"stage": self.s.stage, "tokens_seen": self.tokens_seen, "val_loss": self.val_loss}
             save_checkpoint(self.s.run_dir, self.step, self.model, state, info, self.s.tokenizer.path,
                             self.config.run.keep_last)
@@ -267,7 +281,7 @@ class Trainer:
             return None
         self.model.eval()
         total = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for x, y in eval_batches(self.s.val_data, self.config.optim.batch_size, self.config.run.eval_batches,
+        for x, y in eval_batches(self.s.val_data, self.config.optim.batch_size, self.config.eval.eval_batches,
                                  self.backend.rank, self.backend.world_size):
             x, y = x.to(self.device), y.to(self.device)
             with self.precision.autocast():
@@ -327,10 +341,15 @@ class Trainer:
                         if self._diverged():
                             exit_code = 1
                             break
-                    if self._due(run.eval_interval):
+                    early_stop = None
+                    if self._due(self.config.eval.eval_interval):
                         self._eval_and_log()
-                    if self._due(run.save_interval):
+                        early_stop = self._early_stop_reason()
+                    if (self._due(run.save_interval) or early_stop) and self.last_saved != self.step:
                         self.save()
+                    if early_stop:
+                        self._report_early_stop(early_stop)
+                        break
                 if stop.received and exit_code == 0:
                     if self.last_saved != self.step:
                         self.save()
@@ -394,6 +413,36 @@ class Trainer:
         c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
         c["grad_norm"] = grad_norm.double()
 
+    def _early_stop_reason(self) -> str | None:
+        """After an evaluation, with early stopping on: keep the best checkpoint (saving it, pointing `best` at
+        it) and return why to stop, if it is time."""
+        ev, b = self.config.eval, self.best
+        if not ev.early_stopping or self.val_loss is None:
+            return None
+        if b["val_loss"] is None or self.val_loss < b["val_loss"]:
+            b.update(val_loss=self.val_loss, step=self.step, evals_since=0)
+            if self.last_saved != self.step:
+                self.save()
+            if self.backend.is_main:
+                mark_best(self.s.run_dir, checkpoint_dir(self.s.run_dir, self.step))
+        else:
+            b["evals_since"] += 1
+        if ev.early_stop_patience is not None and b["evals_since"] >= ev.early_stop_patience:
+            return (f"the validation loss has not improved for {b['evals_since']} evaluations (--early_stop_patience "
+                    f"{ev.early_stop_patience})")
+        gap = None if self.last_train_loss is None else self.val_loss - self.last_train_loss
+        if ev.overfit_gap is not None and gap is not None and gap > ev.overfit_gap:
+            return (f"the validation loss {self.val_loss:.4f} exceeds the training loss {self.last_train_loss:.4f} "
+                    f"by {gap:.4f} (--overfit_gap {ev.overfit_gap})")
+        return None
+
+    def _report_early_stop(self, reason: str) -> None:
+        b = self.best
+        self.logger.log({"step": self.step, "event": "early_stop", "reason": reason, "best_step": b["step"],
+                         "best_val_loss": b["val_loss"]})
+        self.logger.message(f"early stop after step {self.step}: {reason}. Best: step {b['step']} (val_loss "
+                            f"{b['val_loss']:.4f}), {self.s.run_dir / BEST_NAME}; last: {self.s.run_dir / 'latest'}")
+
     def _diverged(self) -> bool:
         """Too many consecutive non-finite steps (checked at log steps): stop without saving."""
         if self.bad_in_a_row < self.config.optim.max_bad_steps:
@@ -428,6 +477,7 @@ class Trainer:
         else:
             record["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
         self.logger.log(record, bar_fields=("loss", "lr", "tokens_per_s"))
+        self.last_train_loss = record["loss"]
         w.update(loss=torch.zeros_like(w["loss"]), valid=torch.zeros_like(w["valid"]), tokens=0, wait=0.0,
                  t0=time.perf_counter(), steps=0)
 
