@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
 
 from common.config import option, parse_config
-from common.errors import ConfigError, DataError, PocketLMError
+from common.errors import ConfigError, PocketLMError
 from dataset.jsonl import SkipReport, check_path, read_records
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import load_model
@@ -36,31 +35,12 @@ from model.inference import (
     stream_generate,
     token_byte_lengths,
 )
+from model.probes import Probe, read_prompt_file, run_probes
 
 
 def note(message: str) -> None:
     """A remark for the user on stderr, kept out of the generated text on stdout."""
     print(f"note: {message}", file=sys.stderr)
-
-
-def prompt_ids(tok: Tokenizer, stage: str, text: str, system: str | None = None) -> list[int]:
-    """Ids for one prompt: raw text for pretrain checkpoints, a one-turn chat for SFT ones."""
-    if stage == "sft":
-        return tok.chat_prompt(([{"role": "system", "content": system}] if system else [])
-                               + [{"role": "user", "content": text}])
-    return tok.encode(text) or [tok.eot_id]  # an empty prompt starts a new document
-
-
-def read_probes(path: str) -> list[str]:
-    """Prompts of a probe file: one per line; blank lines and lines starting with '#' are skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read probe file ({getattr(e, 'strerror', None) or e})") from None
-    texts = [t.strip() for t in lines if t.strip() and not t.strip().startswith("#")]
-    if not texts:
-        raise DataError(f"{path}: no prompts (one per line; lines starting with # are comments)")
-    return texts
 
 
 class Evaluator:
@@ -124,7 +104,7 @@ class Evaluator:
                 continue
             try:
                 if self.stage != "sft":
-                    self.complete([prompt_ids(self.tok, self.stage, line)], stream=True)
+                    self.complete([self.prompt_ids(line)], stream=True)
                     continue
                 messages, ids, dropped = fit_chat(history + [{"role": "user", "content": line}],
                                                   self.tok.chat_prompt, self.budget)
@@ -135,13 +115,24 @@ class Evaluator:
             except KeyboardInterrupt:  # Ctrl-C stops this reply (left out of the history), not the session
                 print("\n(interrupted)", flush=True)
 
-    def probes(self, texts: list[str]) -> None:
-        """Print each probe prompt with its completion."""
-        for start in range(0, len(texts), 8):  # batched: a left-padded batch decodes as each prompt alone
-            chunk = texts[start:start + 8]
-            outs = self.complete([prompt_ids(self.tok, self.stage, t, self.system) for t in chunk])
-            for text, out in zip(chunk, outs):
-                print(f">>> {text}\n{out}\n", flush=True)
+    def prompt_ids(self, text: str) -> list[int]:
+        return self.tok.prompt_ids(text, chat=self.stage == "sft", system=self.system)
+
+    def probes(self, probes: list[Probe]) -> None:
+        """Print each prompt with its completion; a probe (`prompt<TAB>expected`) also with whether the greedy
+        continuation contains the answer, the answer's log-probability and the rank of its first token."""
+        for start in range(0, len(probes), 8):  # batched: a left-padded batch decodes as each prompt alone
+            chunk = probes[start:start + 8]
+            outs = self.complete([self.prompt_ids(p.prompt) for p in chunk])
+            scored = iter(run_probes(self.model, [p for p in chunk if p.expected], self.prompt_ids, self.tok.encode,
+                                     self.tok.decode, self.stage == "sft", self.eos, self.tok.pad_id))
+            for probe, out in zip(chunk, outs):
+                print(f">>> {probe.prompt}\n{out}", flush=True)
+                if probe.expected:
+                    r = next(scored)
+                    print(f"[{'correct' if r.correct else 'wrong'}] expected {r.expected!r}: greedy {r.greedy!r}, "
+                          f"logprob {r.logprob:.3f}, rank {r.rank}", flush=True)
+                print(flush=True)
 
     def perplexity(self, path: str) -> None:
         """Token-weighted perplexity and bits per byte of a {"text"} or {"conversations"} JSONL file."""
@@ -171,7 +162,8 @@ class EvalTask:
     prompt: list[str] | None = option(None, "generate once from TEXT (repeatable)", metavar="TEXT")
     chat: bool = option(False, "interactive chat (the default mode)")
     ppl: str | None = option(None, "perplexity and bits per byte over a JSONL file", metavar="F.jsonl")
-    probes: str | None = option(None, "one prompt per line ('#' comments)", metavar="FILE")
+    probes: str | None = option(None, "one prompt per line, or `prompt<TAB>expected` to score the answer ('#' "
+                                      "comments; e.g. dataset/prompts/probes.tsv)", metavar="FILE")
     system: str | None = option(None, "system prompt for SFT checkpoints", metavar="TEXT")
     stage: Literal["pretrain", "sft"] | None = option(None, "override train_info.json's stage")
     skip_bad_lines: bool = option(False, "--ppl: skip and count malformed lines")
@@ -199,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         task = config.task
         device = resolve_device(config.device.device)
         # Input files are checked before the (possibly slow) model load.
-        probes = read_probes(task.probes) if task.probes else None
+        probes = read_prompt_file(task.probes) if task.probes else None
         if task.ppl:
             check_path(task.ppl)
         ev = Evaluator(config, device)
@@ -214,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             for text in task.prompt:
                 # SFT: the question, then the streamed answer; pretrain: the prompt continued in place
                 print(f">>> {text}" if ev.stage == "sft" else text, end="\n" if ev.stage == "sft" else "", flush=True)
-                ev.complete([prompt_ids(ev.tok, ev.stage, text, task.system)], stream=True)
+                ev.complete([ev.prompt_ids(text)], stream=True)
         else:
             ev.chat()
     except (PocketLMError, OSError) as e:

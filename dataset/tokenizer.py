@@ -116,6 +116,13 @@ class Tokenizer:
         """Ids of a conversation followed by the assistant header, ready for generation."""
         return self.encode_chat(messages, add_generation_prompt=True)[0]
 
+    def prompt_ids(self, text: str, chat: bool, system: str | None = None) -> list[int]:
+        """Ids to continue: raw text (pretrained models), or a one-turn chat awaiting the answer (SFT models)."""
+        if chat:
+            return self.chat_prompt(([{"role": "system", "content": system}] if system else [])
+                                    + [{"role": "user", "content": text}])
+        return self.encode(text) or [self.eot_id]  # an empty prompt starts a new document
+
 
 # The roles of the special tokens for transformers (special_tokens_map.json and tokenizer_config.json).
 SPECIAL_TOKENS_MAP = {"bos_token": IM_START, "eos_token": IM_END, "pad_token": ENDOFTEXT, "unk_token": ENDOFTEXT,

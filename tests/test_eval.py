@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 import eval_model
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
-from eval_model import prompt_ids
 from model import CheckpointError, PocketLM, generate, load_model, save_model
 from model.inference import (
     PerplexityStats,
@@ -71,13 +70,13 @@ def _greedy_reply(run: Path, ids: list[int], eos: list[int], tok) -> str:
 
 # ------------------------------------------------------------------------- generation
 def test_prompt_ids_use_chat_template_only_for_sft(tokenizer):
-    sft = prompt_ids(tokenizer, "sft", "hello", system="be brief")
+    sft = tokenizer.prompt_ids("hello", chat=True, system="be brief")
     assert sft[0] == tokenizer.im_start_id == 1
     assert sft == tokenizer.chat_prompt([{"role": "system", "content": "be brief"},
                                          {"role": "user", "content": "hello"}])
-    pretrain = prompt_ids(tokenizer, "pretrain", "hello")
+    pretrain = tokenizer.prompt_ids("hello", chat=False)
     assert pretrain == tokenizer.encode("hello") and tokenizer.im_start_id not in pretrain
-    assert prompt_ids(tokenizer, "pretrain", "") == [tokenizer.eot_id]  # empty prompt = start of a document
+    assert tokenizer.prompt_ids("", chat=False) == [tokenizer.eot_id]  # empty prompt = start of a document
 
 
 @pytest.mark.slow  # starts a process
@@ -86,7 +85,7 @@ def test_prompt_generates_what_the_stage_calls_for(runs, tokenizer, stage):
     res = _eval("--checkpoint", str(runs[stage]), "--prompt", "Once upon a time", *GREEDY)
     assert res.returncode == 0, res.stderr
     assert f"stage {stage}" in res.stderr
-    ids = prompt_ids(tokenizer, stage, "Once upon a time")
+    ids = tokenizer.prompt_ids("Once upon a time", chat=stage == "sft")
     eos = [tokenizer.im_end_id, tokenizer.eot_id] if stage == "sft" else [tokenizer.eot_id]
     shown = ">>> Once upon a time\n" if stage == "sft" else "Once upon a time"  # question / text continued
     assert res.stdout == shown + _greedy_reply(runs[stage], ids, eos, tokenizer) + "\n"
@@ -119,11 +118,14 @@ def test_chat_streams_replies_and_reset_clears_history(runs, tokenizer):
 @pytest.mark.slow  # starts a process
 def test_probes_print_each_prompt_with_its_completion(runs, tmp_path):
     probes = tmp_path / "probes.txt"
-    probes.write_text("# capitals\nThe capital of France is\n\n中国的首都是\n", encoding="utf-8")
+    probes.write_text("# capitals\nThe capital of France is\tParis\n\n中国的首都是\n", encoding="utf-8")
     res = _eval("--checkpoint", str(runs["pretrain"]), "--probes", str(probes), *GREEDY)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(">>> The capital of France is\n")
     assert ">>> 中国的首都是\n" in res.stdout and "capitals" not in res.stdout
+    # a probe line (prompt<TAB>expected) is also scored; a plain prompt is only continued
+    scored = [line for line in res.stdout.splitlines() if line.startswith(("[correct]", "[wrong]"))]
+    assert len(scored) == 1 and "expected 'Paris'" in scored[0] and "logprob -" in scored[0] and "rank " in scored[0]
 
 
 def test_stream_decoder_never_splits_a_character(tokenizer):

@@ -125,6 +125,12 @@ class EvalOptions:
     overfit_gap: float | None = option(
         None, "stop when the validation loss exceeds the training loss by more than this (off by default; "
               "0.5 is a common choice)", above=0)
+    sample_prompts: str = option("dataset/prompts/samples.txt", "prompts continued at every evaluation, with "
+                                 "fixed sampling settings and seed, into samples.jsonl ('none': off)",
+                                 metavar="FILE")
+    probes: str | None = option(None, "prompt<TAB>expected file scored at every evaluation into probes.jsonl "
+                                      "(e.g. dataset/prompts/probes.tsv)", metavar="FILE")
+    sample_tokens: int = option(32, "tokens generated per sample prompt", at_least=1)
 
     @property
     def early_stopping(self) -> bool:

@@ -32,7 +32,9 @@ from dataset.datasets import PretrainDataset, SFTDataset
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
 from model import ModelConfig, PocketLM, get_preset
 from model.config import architecture, model_name
+from model.generate import generate
 from model.loading import load_state_into, read_state_dict, resolve_model_dir
+from model.probes import read_probe_file, read_prompt_file, run_probes
 
 from .backend import Backend
 from .checkpoint import (
@@ -115,6 +117,10 @@ class Session:
         if run.resume and self.resume_from is None:
             print(f"--resume: no checkpoint in {self.run_dir} yet; starting a new run", file=sys.stderr)
 
+        # prompt files are read now: a missing or malformed one must not wait for the first evaluation
+        ev = config.eval
+        self.samples = read_prompt_file(ev.sample_prompts) if ev.sample_prompts.lower() != "none" else []
+        self.probes = read_probe_file(ev.probes) if ev.probes else []
         if stage == "sft" and self.init_dir is None and self.resume_from is None:
             print("note: no --init_from; fine-tuning a randomly initialised model", file=sys.stderr)
         self.tokenizer = Tokenizer(config.data.tokenizer or self._default_tokenizer())
@@ -344,6 +350,7 @@ class Trainer:
                     early_stop = None
                     if self._due(self.config.eval.eval_interval):
                         self._eval_and_log()
+                        self._samples_and_probes()
                         early_stop = self._early_stop_reason()
                     if (self._due(run.save_interval) or early_stop) and self.last_saved != self.step:
                         self.save()
@@ -412,6 +419,37 @@ class Trainer:
         c["skipped"] += 1 - ok
         c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
         c["grad_norm"] = grad_norm.double()
+
+    @torch.no_grad()
+    def _samples_and_probes(self) -> None:
+        """Rank 0 continues the sample prompts (same sampling settings and seed every time, so the change
+        between evaluations is the model's) and scores the probes; to samples.jsonl / probes.jsonl."""
+        s = self.s
+        if not self.backend.is_main or not (s.samples or s.probes):
+            return
+        tok, chat = s.tokenizer, s.stage == "sft"
+        eos = [tok.im_end_id, tok.eot_id] if chat else [tok.eot_id]
+        prompt_ids = lambda text: tok.prompt_ids(text, chat)  # noqa: E731
+        self.model.eval()
+        if s.samples:
+            new = generate(self.model, [prompt_ids(p.prompt) for p in s.samples],
+                           max_new_tokens=self.config.eval.sample_tokens, temperature=0.8, top_p=0.95,
+                           repetition_penalty=1.1, eos_token_ids=eos, pad_token_id=tok.pad_id,
+                           generator=torch.Generator(self.device).manual_seed(self.config.optim.seed))
+            rows = [{"prompt": p.prompt, "text": tok.decode(ids)} for p, ids in zip(s.samples, new)]
+            self.logger.log_rows("samples", self.step, rows)
+            for row in rows:
+                self.logger.message(f"step {self.step} sample: {row['prompt']} | {row['text'][:100]!r}")
+        if s.probes:
+            results = run_probes(self.model, s.probes, prompt_ids, tok.encode, tok.decode, chat, eos, tok.pad_id)
+            self.logger.log_rows("probes", self.step, [vars(r) for r in results])
+            correct = sum(r.correct for r in results)
+            mean_logprob = sum(r.logprob for r in results) / len(results)
+            self.logger.log({"step": self.step, "probes_correct": correct / len(results),
+                             "probes_logprob": round(mean_logprob, 4)})
+            self.logger.message(f"step {self.step} probes: {correct}/{len(results)} correct, mean answer "
+                                f"logprob {mean_logprob:.3f}, first-token ranks {[r.rank for r in results]}")
+        self.model.train()
 
     def _early_stop_reason(self) -> str | None:
         """After an evaluation, with early stopping on: keep the best checkpoint (saving it, pointing `best` at

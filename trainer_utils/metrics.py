@@ -48,7 +48,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int, config: dict[str, Any],
                  use_wandb: bool = False, wandb_project: str = "pocketlm", use_tensorboard: bool = False) -> None:
-        self.enabled = enabled
+        self.enabled, self.run_dir = enabled, run_dir
         self.file = self.bar = self.wandb = self.tb = None
         if not enabled:
             return
@@ -85,6 +85,25 @@ class MetricsLogger:
                 self.tb.add_scalar(k, v, step)
         if self.bar is not None and bar_fields:
             self.bar.set_postfix({k: _fmt(record[k]) for k in bar_fields if record.get(k) is not None}, refresh=False)
+
+    def log_rows(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """Records of one kind (samples, probe results) at `step`: appended to <name>.jsonl in the run
+        directory, and shown as a table in TensorBoard and wandb."""
+        if not self.enabled or not rows:
+            return
+        with open(self.run_dir / f"{name}.jsonl", "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}, ensure_ascii=False, allow_nan=False) + "\n")
+        columns = list(rows[0])
+        if self.tb is not None:
+            table = [f"| {' | '.join(columns)} |", f"|{'---|' * len(columns)}"]
+            table += [f"| {' | '.join(str(r[c]).replace('|', '/').replace(chr(10), ' ') for c in columns)} |"
+                      for r in rows]
+            self.tb.add_text(name, "\n".join(table), step)
+        if self.wandb is not None:
+            import wandb
+            self.wandb.log({name: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])},
+                           step=step)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
