@@ -3,7 +3,7 @@
     python eval_model.py --checkpoint out/<run> --prompt "Once upon a time"
     python eval_model.py --checkpoint out/<run> --chat --system "You are a helpful assistant."
     python eval_model.py --checkpoint out/<run> --ppl dataset/demo/pretrain_demo.jsonl
-    python eval_model.py --checkpoint out/<run> --probes probes.txt --temperature 0
+    python eval_model.py --checkpoint out/<run> --probes dataset/prompts/probes.tsv --temperature 0
 
 The stage in the checkpoint's train_info.json decides the prompt format: pretrain checkpoints continue raw
 text and stop at <|endoftext|>; SFT checkpoints are prompted through the chat template and stop at <|im_end|>.
