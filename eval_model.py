@@ -59,7 +59,7 @@ class Evaluator:
             note(f"{model_dir} has no tokenizer.json; using the default tokenizer")
         self.tok = Tokenizer(model_dir if (model_dir / "tokenizer.json").is_file() else DEFAULT_TOKENIZER_DIR)
         self.tok.check_fits(self.model.config.vocab_size)
-        self.eos = [self.tok.im_end_id, self.tok.eot_id] if self.stage == "sft" else [self.tok.eot_id]
+        self.eos = self.tok.stop_ids(chat=self.stage == "sft")
         # prompt tokens allowed
         self.budget = self.model.config.max_position_embeddings - self.sampling.max_new_tokens
         seed = self.sampling.seed

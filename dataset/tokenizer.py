@@ -116,6 +116,10 @@ class Tokenizer:
         """Ids of a conversation followed by the assistant header, ready for generation."""
         return self.encode_chat(messages, add_generation_prompt=True)[0]
 
+    def stop_ids(self, chat: bool) -> list[int]:
+        """Where generation ends: a chat answer at <|im_end|> (or a document end), raw text at <|endoftext|>."""
+        return [self.im_end_id, self.eot_id] if chat else [self.eot_id]
+
     def prompt_ids(self, text: str, chat: bool, system: str | None = None) -> list[int]:
         """Ids to continue: raw text (pretrained models), or a one-turn chat awaiting the answer (SFT models)."""
         if chat:

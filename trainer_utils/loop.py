@@ -428,7 +428,7 @@ class Trainer:
         if not self.backend.is_main or not (s.samples or s.probes):
             return
         tok, chat = s.tokenizer, s.stage == "sft"
-        eos = [tok.im_end_id, tok.eot_id] if chat else [tok.eot_id]
+        eos = tok.stop_ids(chat)
         prompt_ids = lambda text: tok.prompt_ids(text, chat)  # noqa: E731
         self.model.eval()
         if s.samples:
