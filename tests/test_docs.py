@@ -10,7 +10,7 @@ import eval_model
 import train_full_sft
 import train_pretrain
 import train_tokenizer
-from dataset import cache, clean
+from dataset import cache, clean, inspect
 from launch import slurm
 from model import convert
 
@@ -19,6 +19,7 @@ from conftest import ROOT
 LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch") for p in (ROOT / d).rglob("*.py")]
 ENTRY_POINTS = {"train_pretrain.py": train_pretrain.main, "train_full_sft.py": train_full_sft.main,
                 "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,
+                "dataset.inspect": inspect.main,
                 "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main}
 # Flags of other programs that the docs show next to ours.
 EXTERNAL = {"--nproc_per_node", "--local-rank", "--help"}
