@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from common.config import option, parse_config
-from common.errors import ConfigError, PocketLMError
+from common.errors import PocketLMError
 
-from .config import DataConfig, prepare_data
+from .config import CacheConfig, CacheTarget, prepare_data
 from .datasets import PretrainDataset, SFTDataset
 from .tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
 
@@ -30,11 +30,11 @@ OPEN, CLOSE = "⟦", "⟧"
 
 
 @dataclass
-class InspectTarget:
-    """Which batches to show."""
+class InspectTarget(CacheTarget):
+    """Which batches to show: the cache's kind and context, plus the batch and the order."""
 
     title: ClassVar[str] = "what to show"
-    kind: Literal["pretrain", "sft"] = option("pretrain", "pretraining windows or SFT conversations")
+    # the context also cuts the pretraining windows shown, not only the SFT cache
     max_seq_len: int = option(512, "the training context (SFT caches depend on it)", at_least=1)
     batch_size: int = option(2, "samples shown: the first batch of this size in the training order", at_least=1)
     seed: int = option(42, "the training --seed (it orders the samples)")
@@ -43,15 +43,10 @@ class InspectTarget:
 
 
 @dataclass
-class InspectConfig:
-    """`python -m dataset.inspect`'s settings."""
+class InspectConfig(CacheConfig):
+    """`python -m dataset.inspect`'s settings: those of `python -m dataset.cache`, and which batch to show."""
 
-    data: DataConfig
     target: InspectTarget
-
-    def check(self) -> None:
-        if self.data.data_path is None:
-            raise ConfigError("--data_path is required")
 
 
 def marked_text(tok: Tokenizer, inputs: list[int], labels: list[int]) -> str:
