@@ -7,6 +7,7 @@ turning losses into weight updates. The loop calls only:
     backward(loss)                                          step() -> (grad_norm, applied) as device tensors
     save_state(dir) -> small state for training_state.pt    restore_state(dir, state)
     all_reduce_sum(t)   barrier()   close()                 rank, world_size, is_main, device, precision
+    set_precision(p) when can_switch_precision              (precision fallback, before a re-wrap)
 
 TorchBackend (here) is plain autograd, one process or DDP; DeepSpeedBackend (distributed.py) drives a ZeRO
 engine. A step whose gradients are not finite is never applied, by any backend.
@@ -63,6 +64,13 @@ class Backend:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce_sum(tensor)
+
+    # Whether set_precision works mid-run (a DeepSpeed engine fixes its precision when it is built).
+    can_switch_precision: bool = True
+
+    def set_precision(self, precision: Precision) -> None:
+        """Train in another precision from now on (a precision fallback; the model is re-wrapped after)."""
+        self.precision = precision
 
     def barrier(self) -> None:
         self.comm.barrier()

@@ -77,6 +77,10 @@ class PrecisionConfig(DeviceConfig):
     """Number formats and where the run executes: evaluation's --dtype / --device, plus training's own."""
 
     tf32: bool = option(True, "TF32 tensor cores for fp32 matmuls on Ampere+ GPUs (--no-tf32: strict fp32)")
+    on_nonfinite: Literal["fallback", "stop"] = option(
+        "fallback", "when --max_bad_steps consecutive steps are non-finite or the fp16 loss scale falls below 1: "
+                    "'fallback' reloads the last checkpoint and continues in bf16 (fp32 where bf16 is not native, "
+                    "or after bf16), 'stop' exits 1")
     deepspeed: str | None = option(None, "DeepSpeed config JSON (e.g. launch/ds_zero2.json)",
                                     metavar="F.json")
     # The deepspeed launcher appends --local_rank=N; the same value is in $LOCAL_RANK, which is what is read.

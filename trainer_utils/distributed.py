@@ -112,6 +112,7 @@ class DeepSpeedBackend(Backend):
     """
 
     name = "deepspeed"
+    can_switch_precision = False  # bf16 on/off is part of the engine's config
 
     def __init__(self, env: DistEnv, device: torch.device, precision: Precision, config: TrainConfig) -> None:
         import deepspeed  # imported here so the other backends never need it

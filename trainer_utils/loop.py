@@ -6,11 +6,13 @@ before any process group exists).
 Trainer.fit(): for each optimizer step, take this rank's micro-batches from the global cursor, normalise the
 loss by the valid target tokens of the whole step (all micro-batches, all ranks), backward with no_sync on
 all but the last micro-batch, clip and step (skipping non-finite steps), then log, evaluate and checkpoint
-when due.
+when due. When steps keep failing in a reduced precision, run() builds a new Trainer that resumes the last
+checkpoint in a wider one (--on_nonfinite fallback).
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import re
@@ -33,6 +35,7 @@ from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
 from model import ModelConfig, PocketLM, get_preset
 from model.config import architecture, model_name
 from model.generate import generate
+from model.inference import DTYPES, read_train_info
 from model.loading import load_state_into, read_state_dict, resolve_model_dir
 from model.probes import read_probe_file, read_prompt_file, run_probes
 
@@ -51,7 +54,16 @@ from .data import StepFeeder, eval_batches
 from .distributed import detect_env, device_for, make_backend
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .optim import WarmupCosine, build_optimizer
-from .runtime import Precision, StopSignal, resolve_dtype, rng_state, seed_everything, set_rng_state
+from .runtime import (
+    Precision,
+    StopSignal,
+    fallback_dtype,
+    resolve_dtype,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+    wider_dtype,
+)
 
 OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and more --accumulation_steps "
             "(same effective batch), --grad_checkpointing, or a shorter --max_seq_len. The last checkpoint "
@@ -116,6 +128,10 @@ class Session:
         self.resume_from = latest_checkpoint(self.run_dir) if run.resume else None
         if run.resume and self.resume_from is None:
             print(f"--resume: no checkpoint in {self.run_dir} yet; starting a new run", file=sys.stderr)
+        # precision fallbacks of this run so far (--on_nonfinite fallback), carried by its checkpoints
+        self.fallbacks: list[dict[str, Any]] = []
+        if self.resume_from is not None:
+            self._resume_precision()
 
         # prompt files are read now: a missing or malformed one must not wait for the first evaluation
         ev = config.eval
@@ -142,6 +158,27 @@ class Session:
             raise ConfigError(f"{config.data.data_path}: no validation documents at --val_fraction "
                               f"{config.data.val_fraction}; early stopping needs some (raise --val_fraction)")
         self.backend: Backend = make_backend(config, self.env, self.device, self.precision)
+
+    def _resume_precision(self) -> None:
+        """A resumed run keeps the precision it fell back to: a requeued job repeating the original command
+        (say --dtype float16) must not walk back into the trouble. A wider --dtype still wins."""
+        info = read_train_info(self.resume_from)
+        self.fallbacks = list(info.get("precision_fallback", []))
+        if not self.fallbacks:
+            return
+        dtype = wider_dtype(self.precision.dtype, DTYPES[self.fallbacks[-1]["to"]])
+        if dtype != self.precision.dtype:
+            print(f"note: resuming in {dtype_name(dtype)}: this run fell back to it from "
+                  f"{self.fallbacks[-1]['from']} at step {self.fallbacks[-1]['step']}", file=sys.stderr)
+            self.precision = Precision(self.device, dtype)
+
+    def fall_back(self, event: dict[str, Any]) -> None:
+        """Continue in event["to"] from the run's last checkpoint (or its initial weights, when it has none):
+        the next Trainer resumes from there with the new precision."""
+        self.fallbacks.append(event)
+        self.precision = Precision(self.device, DTYPES[event["to"]])
+        self.backend.set_precision(self.precision)
+        self.resume_from = latest_checkpoint(self.run_dir)
 
     def _default_tokenizer(self) -> Path:
         if self.resume_from is not None:
@@ -184,7 +221,8 @@ class Session:
 
 
 class Trainer:
-    """Runs optimizer steps until max_steps, a stop signal, or too many consecutive non-finite steps."""
+    """Runs optimizer steps until max_steps, a stop signal, early stopping, or non-finite trouble (which ends
+    it with `fallback` set when the run should continue in a wider precision)."""
 
     def __init__(self, session: Session) -> None:
         s, c = session, session.config
@@ -215,6 +253,7 @@ class Trainer:
         self.last_train_loss: float | None = None  # of the last logged window, for --overfit_gap
         self.best = {"val_loss": None, "step": None, "evals_since": 0}  # early stopping's memory (checkpointed)
         self.last_saved = -1
+        self.fallback: dict[str, Any] | None = None  # set when fit() ends for a precision fallback
         zero = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
         self.counters = {"tokens_seen": zero(), "skipped": zero(), "bad_in_a_row": zero(), "grad_norm": zero()}
         self.window = {"loss": zero(), "valid": zero(), "tokens": 0, "wait": 0.0, "t0": time.perf_counter(),
@@ -227,7 +266,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg, s.max_seq_len)
         self.peak = peak_flops(self.device)
         self.resolved = {"stage": s.stage, "run_dir": str(s.run_dir), "device": str(self.device),
-                         "dtype": str(self.precision.dtype).removeprefix("torch."), "world_size": world,
+                         "dtype": dtype_name(self.precision.dtype), "world_size": world,
                          "backend": self.backend.name, "total_steps": self.total_steps,
                          "steps_per_epoch": steps_per_epoch, "samples_per_step": self.samples_per_step,
                          "tokens_per_step": self.samples_per_step * s.max_seq_len, "max_seq_len": s.max_seq_len,
@@ -235,6 +274,8 @@ class Trainer:
                          "val_samples": len(s.val_data) if s.val_data is not None else 0,
                          "tokenizer": str(s.tokenizer.path), "tokenizer_sha256": s.tokenizer.sha256,
                          "model": cfg.to_dict(), "parameters": cfg.num_parameters()}
+        if s.fallbacks:
+            self.resolved["precision_fallback"] = s.fallbacks
 
     # ------------------------------------------------------------------------- state
     def _restore(self, ckpt: Path) -> None:
@@ -269,7 +310,10 @@ class Trainer:
                      "cursor": self.cursor, "tokens_seen": self.tokens_seen, "rng": rng_state(),
                      "world_size": backend.world_size, "tokenizer_sha256": self.s.tokenizer.sha256,
                      "early_stop": dict(self.best), "config": to_dict(self.config, self.s.stage)}
-            info = {"stage": self.s.stage, "tokens_seen": self.tokens_seen, "val_loss": self.val_loss}
+            info = {"stage": self.s.stage, "tokens_seen": self.tokens_seen, "val_loss": self.val_loss,
+                    "dtype": dtype_name(self.precision.dtype)}
+            if self.s.fallbacks:
+                info["precision_fallback"] = self.s.fallbacks
             save_checkpoint(self.s.run_dir, self.step, self.model, state, info, self.s.tokenizer.path,
                             self.config.run.keep_last)
         backend.barrier()
@@ -344,8 +388,10 @@ class Trainer:
                     self._optimizer_step(feeder)
                     if self._due(run.log_interval):
                         self._log()
-                        if self._diverged():
-                            exit_code = 1
+                        trouble = self._nonfinite_trouble()
+                        if trouble:
+                            self.fallback = self._plan_fallback(trouble)
+                            exit_code = 0 if self.fallback else 1
                             break
                     early_stop = None
                     if self._due(self.config.eval.eval_interval):
@@ -481,14 +527,39 @@ class Trainer:
         self.logger.message(f"early stop after step {self.step}: {reason}. Best: step {b['step']} (val_loss "
                             f"{b['val_loss']:.4f}), {self.s.run_dir / BEST_NAME}; last: {self.s.run_dir / 'latest'}")
 
-    def _diverged(self) -> bool:
-        """Too many consecutive non-finite steps (checked at log steps): stop without saving."""
-        if self.bad_in_a_row < self.config.optim.max_bad_steps:
-            return False
-        self.logger.message(f"error: {self.bad_in_a_row} consecutive steps had non-finite gradients; stopping "
-                            "without saving. Try a lower --learning_rate, --dtype bfloat16 or float32. The last "
-                            "checkpoint is intact.")
-        return True
+    def _nonfinite_trouble(self) -> str | None:
+        """Why training cannot go on in this precision (checked at log steps), or None.
+
+        Ranks agree without a collective: the gradients they test are already all-reduced."""
+        if self.bad_in_a_row >= self.config.optim.max_bad_steps:
+            return f"{self.bad_in_a_row} consecutive steps had non-finite gradients"
+        scaler = self.precision.scaler
+        if scaler.is_enabled() and scaler.get_scale() < 1:
+            # below 1 the scaler is shrinking gradients that overflow fp16 even unscaled: its range is too small
+            return f"the fp16 loss scale fell to {scaler.get_scale():.3g} (below 1)"
+        return None
+
+    def _plan_fallback(self, trouble: str) -> dict[str, Any] | None:
+        """The precision fallback to make (logged), or None to stop without saving (after saying why)."""
+        dtype, option = self.precision.dtype, self.config.precision.on_nonfinite
+        to = fallback_dtype(dtype, self.device) if option == "fallback" else None
+        if to is None or not self.backend.can_switch_precision:
+            if to is None:
+                advice = ("Try a lower --learning_rate" + (", --dtype bfloat16 or float32" if dtype != torch.float32
+                                                           else ""))
+            else:
+                advice = (f"DeepSpeed fixes its precision when the engine starts: continue with --resume --dtype "
+                          f"{dtype_name(to)}")
+            self.logger.message(f"error: {trouble}; stopping without saving. {advice}. The last checkpoint is "
+                                "intact.")
+            return None
+        last = latest_checkpoint(self.s.run_dir)
+        event = {"step": self.step, "from": dtype_name(dtype), "to": dtype_name(to), "reason": trouble,
+                 "reload": str(last.relative_to(self.s.run_dir)) if last else "initial weights"}
+        self.logger.log({"event": "precision_fallback", **event})
+        self.logger.message(f"step {self.step}: {trouble}. Falling back from {event['from']} to {event['to']}: "
+                            f"continuing from {event['reload']} (--on_nonfinite fallback)")
+        return event
 
     def _sync_counters(self) -> None:
         """Copy the device-side counters to plain numbers (one host sync)."""
@@ -527,6 +598,10 @@ class Trainer:
             self.logger.message(f"step {self.step}: val_loss {self.val_loss:.4f} (ppl {ppl:.2f})")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def is_peer_failure(e: RuntimeError) -> bool:
     """Whether a collective failed because another rank died or hung (gloo/NCCL report it as RuntimeError)."""
     if isinstance(e, getattr(torch.distributed, "DistError", ())):
@@ -550,7 +625,16 @@ def run(config: TrainConfig, stage: str) -> int:
     session = None
     try:
         session = Session(config, stage)
-        return Trainer(session).fit()
+        while True:
+            trainer = Trainer(session)
+            exit_code, fallback = trainer.fit(), trainer.fallback
+            del trainer  # the next Trainer's model and optimizer must not coexist with this one's
+            if fallback is None:
+                return exit_code
+            gc.collect()
+            if session.device.type == "cuda":
+                torch.cuda.empty_cache()
+            session.fall_back(fallback)
     except PocketLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1 if isinstance(e, TrainingError) else 2

@@ -40,6 +40,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+# From least to most numeric range and precision: a precision fallback only ever moves right.
+FALLBACK_ORDER = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fallback_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The precision to continue in when `dtype` keeps producing non-finite gradients, or None from fp32.
+
+    fp16 overflows at 65504, so its trouble is usually range: bf16 has fp32's exponent range and is the
+    cheapest cure where the device computes it natively (GPUs that have it, CPUs with AVX512-BF16/AMX);
+    elsewhere fp32. bf16 goes to fp32 (its 8-bit mantissa is the remaining suspect)."""
+    if dtype == torch.float16:
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
+    if dtype == torch.bfloat16:
+        return torch.float32
+    return None
+
+
+def wider_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The one of two autocast dtypes further along FALLBACK_ORDER."""
+    return max(a, b, key=FALLBACK_ORDER.index)
+
+
 def set_cuda_tf32(enabled: bool) -> None:
     """Let fp32 matmuls on Ampere and newer GPUs use TF32 tensor cores (inputs rounded to a 10-bit mantissa,
     fp32 accumulation): several times faster for --dtype float32, no effect on bf16/fp16 autocast matmuls.
