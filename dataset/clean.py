@@ -1,6 +1,7 @@
 """Clean and deduplicate a JSONL corpus before tokenization, in one streaming pass.
 
     python -m dataset.clean --data_path raw.jsonl --out clean.jsonl [--min_chars 50] [--threshold 0.8]
+    python -m dataset.clean --data_path raw.jsonl --out clean.jsonl --split sentences --min_chars 20 --max_chars 500
 
 Records are {"text": ...} (pretraining) or {"conversations": [{"role", "content"}, ...]} (SFT); the kind is
 detected from the file's first valid record unless --kind says it. Other fields are kept as they are.
@@ -13,9 +14,13 @@ Each text (each turn, for conversations) goes through, in this order:
   3. Control/format characters dropped (\\x00, \\x1b, zero-width space, BOM, lone surrogates...); \\t and
      newlines kept, and ZWJ/ZWNJ kept because emoji sequences and Persian/Indic spelling need them.
   4. Whitespace: CRLF/CR to LF, trailing spaces stripped, runs of blank lines capped (--max_blank_lines).
-Then the record is dropped if it is empty, outside [--min_chars, --max_chars] (total characters after cleaning),
-an exact duplicate (hash of the whitespace-collapsed text) or a near-duplicate (MinHash LSH over character
-shingles, Jaccard >= --threshold) of an earlier kept record. The first occurrence is kept.
+With --split sentences, each text is then split into sentences (see split_sentences), those outside
+[--min_chars, --max_chars] are dropped and the rest re-joined; conversations are refused, since dropping
+sentences from a turn corrupts the dialogue.
+Then the record is dropped if it is empty, left with no sentence (--split sentences), outside
+[--min_chars, --max_chars] (total characters after cleaning; not with --split sentences), an exact duplicate
+(hash of the whitespace-collapsed text) or a near-duplicate (MinHash LSH over character shingles,
+Jaccard >= --threshold) of an earlier kept record. The first occurrence is kept.
 
 Memory is the duplicate index (a 16-byte hash, a signature and the LSH buckets per kept record), never the corpus.
 The output is written to a temporary file and renamed into place; a report goes to stdout and <out>.report.json.
@@ -40,6 +45,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
+from common.errors import ConfigError
 from dataset.cache import GOLDEN_GAMMA, splitmix64
 from dataset.jsonl import DataError, SkipReport, check_path, iter_raw_lines, parse_line, read_records, write_atomic
 
@@ -244,6 +250,123 @@ def clean_text(text: str, opts: CleanOptions | None = None) -> tuple[str, list[s
     return text, changed
 
 
+# ------------------------------------------------------------------------------------------------- sentences
+SPLITS = ("none", "sentences")
+# Words that end in "." without ending the sentence, written as they appear (matched case-sensitively, so the
+# lower-case word "no." still ends "I said no."). A single capital letter ("J. K. Rowling") counts as an initial.
+ABBREVIATIONS = frozenset("""
+    Mr. Mrs. Ms. Dr. Prof. Rev. St. Mt. Jr. Sr. Gen. Col. Capt. Lt. Sgt. Gov. Sen.
+    e.g. E.g. i.e. I.e. etc. vs. cf. al. approx. ca. Fig. No. Vol. pp. Ch. Eq.
+    U.S. U.K. U.N. E.U. Inc. Ltd. Co. Corp. a.m. p.m.
+""".split())
+_CLOSERS = "\"'”’)）」』》】]"
+_OPENERS = "\"'“‘(（「『《【["
+_CJK_TERMINATORS = "。！？"
+# A run of terminators ("?!", "...", "。”") with the closing quotes and brackets that belong to its sentence.
+_TERMINATOR_RE = re.compile(rf"[.!?{_CJK_TERMINATORS}]+[{re.escape(_CLOSERS)}]*")
+_CJK_CHAR_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")  # kana and ideographs
+
+
+def _ends_sentence(line: str, m: re.Match) -> bool:
+    """Whether the terminator run `m`, which has text after it on the line, ends a sentence."""
+    punct = m[0].rstrip(_CLOSERS)
+    if any(c in _CJK_TERMINATORS for c in punct):
+        return True  # Chinese puts no space after 。！？
+    after = line[m.end():]
+    if not after[0].isspace():
+        # "3.14", "e.g.", "example.com" go on; ASCII !/? right before Chinese is what --ascii_cjk_punct makes
+        # of ！？, so it still ends the sentence.
+        return punct[-1] in "!?" and bool(_CJK_CHAR_RE.match(after))
+    if after.lstrip()[:1].islower():
+        return False  # 'He asked "why?" and left', "approx. five": a lower-case word continues the sentence
+    if punct == ".":
+        words = line[:m.start()].split()
+        word = words[-1].lstrip(_OPENERS) if words else ""
+        if word + "." in ABBREVIATIONS or (len(word) == 1 and word.isupper()):
+            return False
+    return True
+
+
+def _split_line(line: str) -> list[tuple[str, str]]:
+    """(whitespace before, sentence) for each sentence of one line; the first whitespace is the indentation."""
+    pieces, start = [], 0
+    for m in _TERMINATOR_RE.finditer(line):
+        if m.end() < len(line) and _ends_sentence(line, m):
+            pieces.append(line[start:m.end()])
+            start = m.end()
+    pieces.append(line[start:])
+    pairs = []
+    for piece in pieces:
+        body = piece.lstrip()
+        if body.strip():
+            pairs.append((piece[:len(piece) - len(body)], body.rstrip()))
+    return pairs
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split a text into sentences (English and Chinese), each without the whitespace around it.
+
+    Rules, applied to each line on its own (a newline always ends a sentence):
+      - `.`, `!` or `?` (or a run of them: "?!", "...") ends a sentence when whitespace follows, unless the next
+        word starts with a lower-case letter, or a lone `.` closes an abbreviation from ABBREVIATIONS
+        ("e.g.", "Mr.", "U.S.") or a one-capital-letter initial ("J."). "3.14" and "example.com" never split,
+        having no whitespace after the dot.
+      - The Chinese terminators `。！？` end a sentence with or without whitespace after them; so do ASCII `!`/`?`
+        directly followed by a CJK character (NFKC's rewrite of `！？`). The full-width `；` and `…` do not:
+        like `;` in English they join clauses of one sentence.
+      - Closing quotes and brackets right after a terminator (" ' ” ’ ) ） 」 』 》 】 ]) stay with its sentence.
+    Limits: an abbreviation or a lone capital that really ends a sentence ("... and so on, etc. Then", "Plan B.
+    Then") does not split, nor does a sentence whose successor starts in lower case; an unknown abbreviation
+    followed by a capital ("Ave. Maria") does split. No language model is behind it: it serves a length filter.
+    """
+    return [sentence for line in text.split("\n") for _, sentence in _split_line(line)]
+
+
+def filter_sentences(text: str, min_chars: int = 1, max_chars: int | None = None) -> tuple[str, Counter]:
+    """Drop sentences shorter than min_chars or longer than max_chars and re-join the rest.
+
+    Returns the new text and counts of sentences "kept", "too_short" and "too_long". Kept sentences of a line
+    are joined with the whitespace that preceded each in the original (the line's indentation for the first);
+    lines stay separate. A line left with no sentence is removed, along with the blank lines after it that would
+    widen the gap it leaves, so "A\\n\\nB\\n\\nC" without B is "A\\n\\nC". A text that loses nothing is returned
+    unchanged; one that loses everything is "".
+    """
+    counts: Counter = Counter()
+    lines: list[str | None] = []  # None: a line every sentence of which was dropped
+    for line in text.split("\n"):
+        pairs = _split_line(line)
+        if not pairs:
+            lines.append("")  # a blank line: paragraph structure, kept
+            continue
+        kept: list[str] = []
+        for gap, sentence in pairs:
+            if len(sentence) < min_chars:
+                verdict = "too_short"
+            elif max_chars is not None and len(sentence) > max_chars:
+                verdict = "too_long"
+            else:
+                verdict = "kept"
+            counts[verdict] += 1
+            if verdict == "kept":
+                kept += [gap if kept else pairs[0][0], sentence]
+        lines.append("".join(kept) if kept else None)
+    if not counts["too_short"] and not counts["too_long"]:
+        return text, counts
+    out: list[str] = []
+    removed_since_text = False
+    for line in lines:
+        if line is None:
+            removed_since_text = True
+        elif line:
+            out.append(line)
+            removed_since_text = False
+        elif not (removed_since_text and (not out or not out[-1])):
+            out.append(line)  # a blank line, unless it only widens the gap a removed line left
+    while out and not out[-1]:
+        out.pop()
+    return "\n".join(out), counts
+
+
 # ------------------------------------------------------------------------------------------------- records
 def record_kind(record: dict[str, Any]) -> str:
     """"text" or "conversations", for a record that passed the shared reader's validation."""
@@ -415,25 +538,52 @@ class CleanStats:
     modified: Counter = field(default_factory=Counter)
     chars_in: int = 0
     chars_out: int = 0
+    # --split sentences: sentences "kept", "too_short", "too_long"; documents that lost some but not all
+    # (documents that lost all are dropped["no_sentences_left"]).
+    sentences: Counter = field(default_factory=Counter)
+    documents_trimmed: int = 0
+
+
+def _sentence_split_refused() -> ConfigError:
+    return ConfigError('--split sentences applies to {"text"} records only: dropping sentences from conversation '
+                       "turns would corrupt the dialogues (clean SFT data without --split)")
 
 
 def clean_records(records: Iterable[tuple[int, dict[str, Any]]], opts: CleanOptions, deduper: Deduper | None,
                   min_chars: int = 1, max_chars: int | None = None,
-                  stats: CleanStats | None = None) -> Iterator[dict[str, Any]]:
-    """Clean, filter and deduplicate (line number, record) pairs; yield the kept records, counting into stats."""
+                  stats: CleanStats | None = None, split: str = "none") -> Iterator[dict[str, Any]]:
+    """Clean, filter and deduplicate (line number, record) pairs; yield the kept records, counting into stats.
+
+    With split="none" min_chars/max_chars bound each record's length; with split="sentences" they bound each
+    sentence instead (see filter_sentences) and a text left with no sentence is dropped as "no_sentences_left".
+    Conversations cannot be split into sentences: ConfigError.
+    """
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    by_sentence = split == "sentences"
     stats = stats if stats is not None else CleanStats()
     for _, record in records:
         stats.records += 1
         stats.chars_in += content_length(record)
         cleaned, steps = clean_record(record, opts)
         stats.modified.update(steps)
+        emptied = False
+        if by_sentence and record_kind(cleaned) != "text":
+            raise _sentence_split_refused()
+        if by_sentence and cleaned["text"]:
+            text, counts = filter_sentences(cleaned["text"], min_chars, max_chars)
+            stats.sentences.update(counts)
+            emptied = not text
+            if text and text != cleaned["text"]:
+                stats.documents_trimmed += 1
+            cleaned = {**cleaned, "text": text}
         n = content_length(cleaned)
         # Length before dedup, so a rejected record never occupies the duplicate index.
         if is_empty(cleaned):
-            reason = "empty_after_cleaning"
-        elif n < min_chars:
+            reason = "no_sentences_left" if emptied else "empty_after_cleaning"
+        elif not by_sentence and n < min_chars:
             reason = "too_short"
-        elif max_chars is not None and n > max_chars:
+        elif not by_sentence and max_chars is not None and n > max_chars:
             reason = "too_long"
         else:
             reason = deduper.check(*dedup_texts(cleaned)) if deduper is not None else None
@@ -467,14 +617,19 @@ def _dump(record: dict[str, Any]) -> bytes:
 def clean_file(data_path: str | Path, out: str | Path, kind: str = "auto", skip_bad_lines: bool = False,
                opts: CleanOptions | None = None, near_dedup: bool = True, shingle_size: int = 5,
                num_perm: int = 128, threshold: float = 0.8, seed: int = 1, min_chars: int = 1,
-               max_chars: int | None = None, progress_s: float = 10.0) -> dict[str, Any]:
-    """Clean data_path into out (atomically) and write <out>.report.json; return the report. Raises DataError."""
+               max_chars: int | None = None, progress_s: float = 10.0, split: str = "none") -> dict[str, Any]:
+    """Clean data_path into out (atomically) and write <out>.report.json; return the report.
+
+    Raises DataError for bad input, ConfigError for split="sentences" on conversations.
+    """
     opts = opts or CleanOptions()
     data_path, out = check_path(data_path), Path(out)
     if out.is_dir():
         raise DataError(f"{out}: is a directory, expected an output .jsonl path")
     input_bytes = data_path.stat().st_size
     detected = detect_kind(data_path) if kind == "auto" else kind
+    if split == "sentences" and detected == "conversations":
+        raise _sentence_split_refused()  # before writing anything; clean_records checks each record as well
     deduper = Deduper(near_dedup, shingle_size, num_perm, threshold, seed)
     skips, stats = SkipReport(), CleanStats()
     start = last = time.perf_counter()
@@ -482,7 +637,7 @@ def clean_file(data_path: str | Path, out: str | Path, kind: str = "auto", skip_
     def lines() -> Iterator[bytes]:
         nonlocal last
         records = read_records(data_path, detected, skip_bad_lines=skip_bad_lines, report=skips)
-        for record in clean_records(records, opts, deduper, min_chars, max_chars, stats):
+        for record in clean_records(records, opts, deduper, min_chars, max_chars, stats, split):
             yield _dump(record)
             now = time.perf_counter()
             if now - last > progress_s:  # long runs should not look hung
@@ -491,7 +646,11 @@ def clean_file(data_path: str | Path, out: str | Path, kind: str = "auto", skip_
 
     write_atomic(out, lines())
     elapsed = time.perf_counter() - start
-    dropped = {r: stats.dropped.get(r, 0) for r in DROP_REASONS}
+    reasons = DROP_REASONS
+    if split == "sentences":  # only then, so the report of a run without --split keeps its old shape
+        at = DROP_REASONS.index("too_long") + 1
+        reasons = (*DROP_REASONS[:at], "no_sentences_left", *DROP_REASONS[at:])
+    dropped = {r: stats.dropped.get(r, 0) for r in reasons}
     dropped["bad_line"] = skips.total
     report = {
         "input": str(data_path),
@@ -514,8 +673,17 @@ def clean_file(data_path: str | Path, out: str | Path, kind: str = "auto", skip_
         "mb_per_s": round(input_bytes / 1e6 / elapsed, 3) if elapsed > 0 else None,
         "options": {**asdict(opts), "near_dedup": near_dedup, "shingle_size": shingle_size,
                     "num_perm": num_perm, "threshold": threshold, "seed": seed, "min_chars": min_chars,
-                    "max_chars": max_chars, "skip_bad_lines": skip_bad_lines},
+                    "max_chars": max_chars, "split": split, "skip_bad_lines": skip_bad_lines},
     }
+    if split == "sentences":
+        # Counted over every record that reached the filter, including ones later dropped as duplicates.
+        report["sentence_filter"] = {
+            "sentences_in": sum(stats.sentences.values()),
+            "sentences_kept": stats.sentences["kept"],
+            "sentences_dropped": {r: stats.sentences[r] for r in ("too_short", "too_long")},
+            "documents_trimmed": stats.documents_trimmed,
+            "documents_emptied": stats.dropped["no_sentences_left"],
+        }
     if near_dedup:
         report["options"]["lsh_bands_rows"] = [deduper._lsh.b, deduper._lsh.r]
     write_atomic(report_path(out), json.dumps(report, indent=2, ensure_ascii=False) + "\n")
@@ -538,6 +706,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"  dropped       {report['dropped_total']:>10,}  {pct(report['dropped_total'])}"]
     rows += [f"    {r:<22}{k:>8,}" for r, k in report["dropped"].items()]
     rows.append("  modified: " + ", ".join(f"{s} {k:,}" for s, k in report["modified"].items()))
+    if "sentence_filter" in report:
+        sf = report["sentence_filter"]
+        rows.append(f"  sentences {sf['sentences_in']:,} -> {sf['sentences_kept']:,} (dropped: "
+                    + ", ".join(f"{r} {k:,}" for r, k in sf["sentences_dropped"].items())
+                    + f"); documents trimmed {sf['documents_trimmed']:,}, emptied {sf['documents_emptied']:,}")
     rows.append(f"  chars {report['chars_in']:,} -> {report['chars_out']:,}")
     if report["bad_line_examples"]:
         rows.append("  bad lines: " + "; ".join(report["bad_line_examples"]))
@@ -560,8 +733,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"let NFKC turn Chinese full-width punctuation ({_CJK_PUNCT}) into ASCII (kept by default)")
     p.add_argument("--no_strip_html", action="store_true", help="leave HTML tags and entities alone")
     p.add_argument("--max_blank_lines", type=int, default=2, help="longer runs of blank lines are cut to this")
-    p.add_argument("--min_chars", type=int, default=1, help="drop records shorter than this after cleaning")
-    p.add_argument("--max_chars", type=int, default=None, help="drop records longer than this after cleaning")
+    p.add_argument("--min_chars", type=int, default=1,
+                   help="drop records (with --split sentences: sentences) shorter than this after cleaning")
+    p.add_argument("--max_chars", type=int, default=None,
+                   help="drop records (with --split sentences: sentences) longer than this after cleaning")
+    p.add_argument("--split", choices=SPLITS, default="none",
+                   help="sentences: apply --min_chars/--max_chars to each sentence of a {'text'} record and "
+                        "re-join the rest (refused for conversations)")
     p.add_argument("--no_near_dedup", action="store_true", help="exact deduplication only")
     p.add_argument("--shingle_size", type=int, default=5, help="characters per MinHash shingle")
     p.add_argument("--num_perm", type=int, default=128, help="MinHash permutations")
@@ -579,8 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = clean_file(args.data_path, args.out, args.kind, args.skip_bad_lines, opts,
                             not args.no_near_dedup, args.shingle_size, args.num_perm, args.threshold, args.seed,
-                            args.min_chars, args.max_chars)
-    except DataError as e:
+                            args.min_chars, args.max_chars, split=args.split)
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

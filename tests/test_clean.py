@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from datasketch import MinHash
 
+from common.errors import ConfigError
 from dataset.clean import (
     CleanOptions,
     CleanStats,
@@ -19,8 +20,10 @@ from dataset.clean import (
     clean_records,
     clean_text,
     dedup_texts,
+    filter_sentences,
     report_path,
     shingle_hashes,
+    split_sentences,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -517,3 +520,166 @@ def test_cli_missing_empty_and_wrong_kind(tmp_path: Path) -> None:
     res = _cli("--data_path", str(conv), "--out", out, "--no_near_dedup")
     assert res.returncode == 0, res.stderr
     assert json.loads(report_path(out).read_text(encoding="utf-8"))["kind"] == "conversations"
+
+
+# ------------------------------------------------------------------------------------ sentence-level filter
+@pytest.mark.parametrize("text, want", [
+    ("Hello world. This is a test! Is it? Yes.", ["Hello world.", "This is a test!", "Is it?", "Yes."]),
+    ("Really?! Yes... Fine.", ["Really?!", "Yes...", "Fine."]),
+    ("It was 2020.  Then it was not.", ["It was 2020.", "Then it was not."]),  # the gap's width is not kept
+    ("One\nTwo. Three\n\n  Four.", ["One", "Two.", "Three", "Four."]),  # a newline always ends a sentence
+])
+def test_split_sentences_english(text: str, want: list[str]) -> None:
+    assert split_sentences(text) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ("你好。今天天气很好！你去哪里？", ["你好。", "今天天气很好！", "你去哪里？"]),
+    ("真的吗？！是的。", ["真的吗？！", "是的。"]),
+    # ； and … join clauses of one sentence, like ; in English.
+    ("我去学校；然后回家……好的。再见。", ["我去学校；然后回家……好的。", "再见。"]),
+    ("一。 二。", ["一。", "二。"]),  # whitespace after 。 is allowed, and is not part of a sentence
+    ("你好!世界?好的", ["你好!", "世界?", "好的"]),  # --ascii_cjk_punct's ！？ still split before Chinese
+])
+def test_split_sentences_chinese(text: str, want: list[str]) -> None:
+    assert split_sentences(text) == want
+
+
+def test_split_sentences_mixed_english_and_chinese() -> None:
+    text = "PocketLM is small. 它很小。It trains on a CPU! 真的吗？Yes."
+    assert split_sentences(text) == ["PocketLM is small.", "它很小。", "It trains on a CPU!", "真的吗？", "Yes."]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("Pi is 3.14 and e is 2.718. Both are irrational.", ["Pi is 3.14 and e is 2.718.", "Both are irrational."]),
+    ("Mr. Smith met Dr. Jones. They talked.", ["Mr. Smith met Dr. Jones.", "They talked."]),
+    ("He moved to the U.S. Army base. It was far.", ["He moved to the U.S. Army base.", "It was far."]),
+    ("Fruit, e.g. apples, i.e. Pink Lady. Good.", ["Fruit, e.g. apples, i.e. Pink Lady.", "Good."]),
+    ("(e.g. This one) stays. J. K. Rowling wrote it.", ["(e.g. This one) stays.", "J. K. Rowling wrote it."]),
+    ("See example.com now. Or v1.2.3 later.", ["See example.com now.", "Or v1.2.3 later."]),
+    ("I said no. Then I left.", ["I said no.", "Then I left."]),  # "No." is an abbreviation, "no." is not
+    ("See No. 5 and Fig. 2 at 9 a.m. Today.", ["See No. 5 and Fig. 2 at 9 a.m. Today."]),  # documented limit
+])
+def test_split_sentences_keeps_abbreviations_and_decimals(text: str, want: list[str]) -> None:
+    assert split_sentences(text) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ('She said "Stop." Then she left.', ['She said "Stop."', "Then she left."]),
+    ("He asked 'why?' Nobody knew.", ["He asked 'why?'", "Nobody knew."]),
+    ('He asked "why?" and left.', ['He asked "why?" and left.']),  # a lower-case word goes on with the sentence
+    ("(It was late.) The end.", ["(It was late.)", "The end."]),
+    ("他说：“你好。”然后走了。", ["他说：“你好。”", "然后走了。"]),
+    ("「真的吗？」她问。『是的！』", ["「真的吗？」", "她问。", "『是的！』"]),
+    ("（完。）下一章。", ["（完。）", "下一章。"]),
+    ("“Done.” ‘Next.’", ["“Done.”", "‘Next.’"]),
+])
+def test_split_sentences_keeps_closing_quotes_and_brackets(text: str, want: list[str]) -> None:
+    assert split_sentences(text) == want
+
+
+def test_filter_sentences_drops_short_and_long_and_rejoins() -> None:
+    text = ("Hi. This sentence is long enough.  So is this second one!\n"
+            "  Indented line keeps its indent. Ok.\n"
+            "\n"
+            "你好。这是一个足够长的中文句子，可以留下。" + "这句话太长了" * 10 + "。")
+    out, counts = filter_sentences(text, min_chars=10, max_chars=40)
+    assert out == ("This sentence is long enough.  So is this second one!\n"  # the two-space gap is kept
+                   "  Indented line keeps its indent.\n"
+                   "\n"
+                   "这是一个足够长的中文句子，可以留下。")
+    assert counts == {"kept": 4, "too_short": 3, "too_long": 1}
+    # The bounds are inclusive: exactly 10 and exactly 40 characters are kept.
+    ten, forty = "Abcdefghi.", "A" * 39 + "."
+    assert filter_sentences(f"{ten} {forty}", 10, 40) == (f"{ten} {forty}", {"kept": 2})
+    assert filter_sentences(f"{ten} {forty}", 11, 39) == ("", {"too_short": 1, "too_long": 1})
+
+
+def test_filter_sentences_keeps_paragraphs_and_unchanged_text() -> None:
+    text = "First paragraph stays.\n\nTiny.\n\nThird paragraph stays."
+    assert filter_sentences(text, 10) == ("First paragraph stays.\n\nThird paragraph stays.",
+                                          {"kept": 2, "too_short": 1})
+    assert filter_sentences("Tiny.\n\nSecond paragraph stays.\nOk.", 10) == ("Second paragraph stays.",
+                                                                             {"kept": 1, "too_short": 2})
+    out, _ = filter_sentences("Line one stays.\nNo.\n\nLine three stays.", 10)
+    assert out == "Line one stays.\n\nLine three stays."
+    # A text that loses nothing comes back exactly as it was, odd whitespace and all.
+    untouched = "  Indented.   Spaced   out.  \n\n\n\nEnd."
+    assert filter_sentences(untouched, 1, 100) == (untouched, {"kept": 3})
+
+
+def test_sentence_split_in_clean_records() -> None:
+    records = [
+        {"id": 1, "text": "<p>Tom &amp; Jerry ran.</p> Ok. A sentence that is far too long to keep, really."},
+        {"id": 2, "text": "Short. Tiny. Small."},  # every sentence too short: emptied, dropped
+        {"id": 3, "text": "This one is kept whole."},
+        {"id": 4, "text": "<br>"},  # empty after cleaning, as before
+        {"id": 5, "text": "Yes. This one is kept whole."},  # a duplicate of 3 once its short sentence is gone
+    ]
+    kept, stats = _run(records, min_chars=12, max_chars=40, split="sentences")
+    # "Tom & Jerry ran." is 16 characters after cleaning (20 before): lengths are measured on the cleaned text.
+    assert kept == [{"id": 1, "text": "Tom & Jerry ran."}, {"id": 3, "text": "This one is kept whole."}]
+    assert stats.dropped == {"no_sentences_left": 1, "empty_after_cleaning": 1, "exact_duplicate": 1}
+    assert stats.sentences == {"kept": 3, "too_short": 5, "too_long": 1}
+    assert stats.documents_trimmed == 2  # 1 and 5; 2 was emptied, not trimmed
+    assert stats.kept == 2 and stats.chars_out == len("Tom & Jerry ran.") + len("This one is kept whole.")
+
+
+def test_without_split_the_bounds_apply_to_whole_records() -> None:
+    records = [{"text": "Short. Tiny. Small."}, {"text": "A sentence that is far too long to keep, really. Ok."}]
+    kept, stats = _run(records, min_chars=12, max_chars=40)
+    assert kept == [{"text": "Short. Tiny. Small."}]  # 19 characters: within bounds as a whole
+    assert stats.dropped == {"too_long": 1} and stats.sentences == {} and stats.documents_trimmed == 0
+    kept, stats = _run(records, min_chars=12, max_chars=60, split="sentences")
+    assert kept == [{"text": "A sentence that is far too long to keep, really."}]
+    assert stats.dropped == {"no_sentences_left": 1}
+
+
+def test_sentence_split_refuses_conversations(tmp_path: Path) -> None:
+    conv = {"conversations": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello there."}]}
+    with pytest.raises(ConfigError, match=r'--split sentences applies to \{"text"\} records only'):
+        _run([{"text": "Fine text here."}, conv], split="sentences")
+    with pytest.raises(ConfigError, match="split must be one of none, sentences"):
+        _run([{"text": "Fine text here."}], split="words")
+    raw = _write_jsonl(tmp_path / "sft.jsonl", [conv])
+    with pytest.raises(ConfigError, match="conversation turns would corrupt the dialogues"):
+        clean_file(raw, tmp_path / "clean.jsonl", split="sentences")
+    assert list(tmp_path.iterdir()) == [raw]  # refused before anything was written
+    report = clean_file(raw, tmp_path / "clean.jsonl")  # without --split conversations are cleaned as before
+    assert report["kept"] == 1 and report["options"]["split"] == "none"
+    assert "sentence_filter" not in report and "no_sentences_left" not in report["dropped"]
+
+
+@pytest.mark.slow  # starts a process
+def test_cli_split_sentences(tmp_path: Path) -> None:
+    raw = _write_jsonl(tmp_path / "raw.jsonl", [
+        {"text": "Hi. This sentence has enough characters. " + "Way too long " * 50 + "end.", "source": "a"},
+        {"text": "Ok. Sure. Yes.", "source": "b"},
+        {"text": "你好。这是一个足够长的中文句子，会被保留下来。\n\nMr. Smith went to the U.S. yesterday.",
+         "source": "c"},
+    ])
+    out = tmp_path / "clean.jsonl"
+    res = _cli("--data_path", str(raw), "--out", str(out), "--split", "sentences", "--min_chars", "20",
+               "--max_chars", "500")
+    assert res.returncode == 0, res.stderr
+    kept = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert kept == [{"text": "This sentence has enough characters.", "source": "a"},
+                    {"text": "这是一个足够长的中文句子，会被保留下来。\n\nMr. Smith went to the U.S. yesterday.",
+                     "source": "c"}]
+    report = json.loads(report_path(out).read_text(encoding="utf-8"))
+    assert report["sentence_filter"] == {"sentences_in": 9, "sentences_kept": 3,
+                                         "sentences_dropped": {"too_short": 5, "too_long": 1},
+                                         "documents_trimmed": 2, "documents_emptied": 1}
+    assert report["dropped"] == {"bad_line": 0, "empty_after_cleaning": 0, "too_short": 0, "too_long": 0,
+                                 "no_sentences_left": 1, "exact_duplicate": 0, "near_duplicate": 0}
+    assert report["kept"] == 2 and report["dropped_total"] == 1 and report["options"]["split"] == "sentences"
+    assert "sentences 9 -> 3 (dropped: too_short 5, too_long 1); documents trimmed 2, emptied 1" in res.stdout
+    assert "no_sentences_left" in res.stdout
+
+    sft = _write_jsonl(tmp_path / "sft.jsonl", [
+        {"conversations": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}])
+    res = _cli("--data_path", str(sft), "--out", str(tmp_path / "sft_clean.jsonl"), "--split", "sentences")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: --split sentences applies to {"text"} records only')
+    assert not (tmp_path / "sft_clean.jsonl").exists()
