@@ -4,14 +4,18 @@
     python eval_model.py --checkpoint out/<run> --chat --system "You are a helpful assistant."
     python eval_model.py --checkpoint out/<run> --ppl dataset/demo/pretrain_demo.jsonl
     python eval_model.py --checkpoint out/<run> --probes dataset/prompts/probes.tsv --temperature 0
+    python eval_model.py --checkpoint out/<run> --sweep temperature=0.6:1.2:0.1 --out sweep.json --plot sweep.png
 
 The stage in the checkpoint's train_info.json decides the prompt format: pretrain checkpoints continue raw
 text and stop at <|endoftext|>; SFT checkpoints are prompted through the chat template and stop at <|im_end|>.
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
@@ -36,6 +40,9 @@ from model.inference import (
     token_byte_lengths,
 )
 from model.probes import Probe, read_prompt_file, run_probes
+from model.sweep import SettingResult, SweepReport, SweepSpec, parse_sweep, run_sweep
+
+DEFAULT_SWEEP_PROMPTS = Path(__file__).resolve().parent / "dataset" / "prompts" / "samples.txt"
 
 
 def note(message: str) -> None:
@@ -134,6 +141,32 @@ class Evaluator:
                           f"logprob {r.logprob:.3f}, rank {r.rank}", flush=True)
                 print(flush=True)
 
+    def sweep(self, spec: SweepSpec, texts: list[str], options: SweepConfig) -> SweepReport:
+        """Sample each prompt at every value of the swept setting and score the samples (model/sweep.py);
+        one progress line per value on stderr."""
+        prompts = []
+        for text in texts:
+            ids, dropped = keep_recent(self.prompt_ids(text), self.budget)
+            if dropped:
+                note(f"prompt {text[:30]!r} too long; dropped its first {dropped} tokens (kept the last {len(ids)})")
+            prompts.append(ids)
+        if spec.parameter != "temperature" and self.sampling.temperature == 0:
+            note(f"--temperature 0 is greedy decoding: {spec.parameter} changes little or nothing, and the samples "
+                 "of a prompt are all alike")
+        # Reproducible by default: the same command gives the same table (--seed picks another draw).
+        seed = self.sampling.seed if self.sampling.seed is not None else 0
+        started, done = time.perf_counter(), []
+
+        def progress(r: SettingResult) -> None:
+            done.append(r)
+            print(f"[{len(done)}/{len(spec.values)}] {spec.parameter}={spec.label(r.value)}: self-ppl "
+                  f"{r.self_ppl:.3f}, rep-3gram {r.repeated_trigram_rate:.3f} "
+                  f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+
+        results = run_sweep(self.model, spec, prompts, self.sampling, options.sweep_samples, seed, self.eos,
+                            self.tok.pad_id, on_result=progress)
+        return SweepReport(spec, self.sampling, seed, options.sweep_samples, texts, options.max_repeat, results)
+
     def perplexity(self, path: str) -> None:
         """Token-weighted perplexity and bits per byte of a {"text"} or {"conversations"} JSONL file."""
         first = next(read_records(path, "any", self.skip_bad_lines))[1]
@@ -170,19 +203,68 @@ class EvalTask:
 
 
 @dataclass
+class SweepConfig:
+    """A decoding sweep: one sampling setting varied over values, the samples scored (model/sweep.py)."""
+
+    title: ClassVar[str] = "decoding sweep"
+    sweep: list[str] | None = option(
+        None, "vary one sampling setting, NAME=START:STOP:STEP (STOP included) or NAME=V1,V2,...; NAME is "
+              "temperature, top_k, top_p or repetition_penalty, the other settings stay at their flags; prints "
+              "self-perplexity, distinct-2 and the repeated-trigram rate per value, and the best value (seeded "
+              "by --seed, 0 if not given)", metavar="NAME=VALUES")
+    sweep_samples: int = option(4, "--sweep: samples per prompt and value", at_least=1)
+    sweep_prompts: str | None = option(None, "--sweep: prompt file, one per line (default: "
+                                             "dataset/prompts/samples.txt; or give --prompt TEXT)", metavar="FILE")
+    max_repeat: float = option(0.1, "--sweep: the best value is the lowest self-perplexity among those whose "
+                                    "repeated-trigram rate is at most this", at_least=0, at_most=1)
+    out: str | None = option(None, "--sweep: write settings, scores and samples as JSON", metavar="F.json")
+    plot: str | None = option(None, "--sweep: plot the scores over the values (needs matplotlib)",
+                              metavar="F.png")
+
+
+@dataclass
 class EvalConfig:
     """eval_model.py's settings."""
 
     task: EvalTask
     sampling: SamplingConfig
     device: DeviceConfig
+    sweep: SweepConfig
 
     def check(self) -> None:
         if self.task.checkpoint is None:
             raise ConfigError("--checkpoint is required")
         modes = [f"--{m}" for m in ("prompt", "chat", "ppl", "probes") if getattr(self.task, m)]
+        sweep = self.sweep
+        if sweep.sweep:
+            if len(sweep.sweep) > 1:
+                raise ConfigError(f"--sweep varies one setting per run; got {len(sweep.sweep)} "
+                                  f"({', '.join(sweep.sweep)})")
+            parse_sweep(sweep.sweep[0])  # a bad spec is reported before the model loads
+            if self.task.prompt and sweep.sweep_prompts:
+                raise ConfigError("--prompt and --sweep_prompts both give the sweep's prompts; give one")
+            modes = [m for m in modes if m != "--prompt"] + ["--sweep"]  # --prompt: the prompts to sweep over
+        else:
+            stray = [f"--{name}" for name in ("sweep_prompts", "out", "plot") if getattr(sweep, name)]
+            if stray:
+                raise ConfigError(f"{' and '.join(stray)}: only with --sweep")
         if len(modes) > 1:
             raise ConfigError(f"{' and '.join(modes)} are alternatives; give one")
+
+
+def sweep_inputs(config: EvalConfig) -> tuple[SweepSpec | None, list[str]]:
+    """--sweep's spec and prompt texts, with its output paths checked: every mistake surfaces before the model
+    loads and the sweep runs, not after. (None, []) without --sweep."""
+    sweep = config.sweep
+    if not sweep.sweep:
+        return None, []
+    for flag, path in (("--out", sweep.out), ("--plot", sweep.plot)):
+        if path and Path(path).is_dir():
+            raise ConfigError(f"{flag} {path} is a directory; give a file name")
+    if sweep.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot needs matplotlib (pip install matplotlib)")
+    texts = config.task.prompt or [p.prompt for p in read_prompt_file(sweep.sweep_prompts or DEFAULT_SWEEP_PROMPTS)]
+    return parse_sweep(sweep.sweep[0]), texts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,12 +276,23 @@ def main(argv: list[str] | None = None) -> int:
         probes = read_prompt_file(task.probes) if task.probes else None
         if task.ppl:
             check_path(task.ppl)
+        spec, sweep_texts = sweep_inputs(config)
         ev = Evaluator(config, device)
         if ev.budget < 1 and not task.ppl:
             raise ConfigError(f"--max_new_tokens {config.sampling.max_new_tokens} leaves no room for a prompt "
                               f"(max_position_embeddings {ev.model.config.max_position_embeddings})")
         if task.ppl:
             ev.perplexity(task.ppl)
+        elif spec:
+            sweep = config.sweep
+            report = ev.sweep(spec, sweep_texts, sweep)
+            print(report.table(), flush=True)
+            if sweep.out:
+                report.write_json(sweep.out, ev.tok.decode, checkpoint=task.checkpoint, stage=ev.stage)
+                note(f"wrote {sweep.out}")
+            if sweep.plot:
+                report.plot(sweep.plot, f"{Path(task.checkpoint).resolve().name}: decoding sweep of {spec.parameter}")
+                note(f"wrote {sweep.plot}")
         elif probes:
             ev.probes(probes)
         elif task.prompt:
