@@ -106,14 +106,24 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, H, T, D) and keys, values (B, KV, T, D) of x, positions applied; before cache and GQA.
+
+        A method of its own so that model/stats.py recomputes attention weights from exactly these q and k.
+        """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         # GQA: each KV head serves n_heads / n_kv_heads query heads. Expanding here (rather than SDPA's
