@@ -1,4 +1,75 @@
-"""`python -m model` prints the preset table (shapes and parameter counts) shown in the README."""
-from .config import preset_table
+"""`python -m model` prints the preset table (shapes and parameter counts) shown in the README. With --estimate it
+prints the memory one training step needs instead (model/memory.py explains the formula):
 
-print(preset_table())
+    python -m model --estimate --preset minimind-26m --batch_size 8 --max_seq_len 512 --dtype bfloat16
+
+The shape flags are the trainers', with the same meaning, so the estimate describes the model they would build.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from common.config import option, parse_config
+from common.errors import ConfigError, PocketLMError
+
+from .config import PRESETS, ModelConfig, model_name, preset_table, reshape_preset
+from .memory import estimate_memory
+
+
+@dataclass
+class StepOptions:
+    """The model and the training step whose memory --estimate prints."""
+
+    title: ClassVar[str] = "memory estimate"
+    estimate: bool = option(False, "print the memory one training step needs instead of the preset table")
+    # not argparse choices: an unknown name is reported as one `error:` line, like every other bad value
+    preset: str = option("minimind-26m", f"model shape: {', '.join(PRESETS)}", metavar="NAME")
+    hidden_size: int | None = option(None, "override the preset's width (head size kept)", at_least=1)
+    num_hidden_layers: int | None = option(None, "override the preset's depth", at_least=1)
+    vocab_size: int | None = option(None, "vocabulary (default: the preset's; the trainers take the tokenizer's, "
+                                          "6400 for the shipped one)", at_least=1)
+    max_seq_len: int | None = option(None, "tokens per sequence (default: the preset's context)", at_least=1)
+    batch_size: int = option(32, "sequences per micro-batch", at_least=1)
+    accumulation_steps: int = option(1, "micro-batches per optimizer step", at_least=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "bfloat16", "autocast dtype (the trainers' --dtype auto is bfloat16 on GPUs and on CPUs with native bf16)")
+    grad_checkpointing: bool = option(False, "recompute blocks in backward: keep only each block's input")
+
+
+@dataclass
+class ModelCommand:
+    """`python -m model`'s settings."""
+
+    step: StepOptions
+
+
+def model_config(o: StepOptions) -> ModelConfig:
+    """The config the trainers build from the same flags."""
+    extra = {} if o.vocab_size is None else {"vocab_size": o.vocab_size}
+    return reshape_preset(o.preset, o.hidden_size, o.num_hidden_layers, o.max_seq_len, **extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        o = parse_config(ModelCommand, argv, __doc__).step
+        if not o.estimate:
+            if argv:
+                raise ConfigError("the flags describe a training step for --estimate; add it (without flags, "
+                                  "python -m model prints the preset table)")
+            print(preset_table())
+            return 0
+        cfg = model_config(o)
+        estimate = estimate_memory(cfg, o.batch_size, cfg.max_seq_len, o.dtype, o.grad_checkpointing,
+                                   o.accumulation_steps, name=model_name(cfg))
+    except PocketLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(estimate.lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

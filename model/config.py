@@ -168,6 +168,24 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
+def reshape_preset(name: str, hidden_size: int | None = None, num_hidden_layers: int | None = None,
+                   max_seq_len: int | None = None, **overrides: Any) -> ModelConfig:
+    """The named preset made wider, deeper or longer (what --hidden_size, --num_hidden_layers and --max_seq_len
+    mean everywhere): a new width keeps the preset's head size, a longer context grows the position table."""
+    preset = get_preset(name)
+    if num_hidden_layers is not None:
+        overrides["num_hidden_layers"] = num_hidden_layers
+    if max_seq_len is not None:
+        overrides.update(max_seq_len=max_seq_len,
+                         max_position_embeddings=max(preset.max_position_embeddings, max_seq_len))
+    if hidden_size is not None:
+        heads = max(1, hidden_size // preset.head_dim)
+        kv = preset.num_key_value_heads
+        overrides.update(hidden_size=hidden_size, num_attention_heads=heads,
+                         num_key_value_heads=kv if heads % kv == 0 else heads)
+    return get_preset(name, **overrides)
+
+
 # Fields that are not the network's architecture: the tokenizer sets the vocabulary, the run sets the context,
 # dropout is a training choice. Two configs equal on every other field describe the same network shape.
 NOT_ARCHITECTURE = ("vocab_size", "max_seq_len", "max_position_embeddings", "dropout", "gradient_checkpointing")

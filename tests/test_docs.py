@@ -7,6 +7,7 @@ import re
 import pytest
 
 import eval_model
+import model.__main__ as model_main
 import train_full_sft
 import train_pretrain
 import train_tokenizer
@@ -19,7 +20,7 @@ from conftest import ROOT
 LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch") for p in (ROOT / d).rglob("*.py")]
 ENTRY_POINTS = {"train_pretrain.py": train_pretrain.main, "train_full_sft.py": train_full_sft.main,
                 "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,
-                "dataset.inspect": inspect.main,
+                "dataset.inspect": inspect.main, "model": model_main.main,
                 "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main}
 # Flags of other programs that the docs show next to ours.
 EXTERNAL = {"--nproc_per_node", "--local-rank", "--help"}

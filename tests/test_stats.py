@@ -5,11 +5,18 @@ import math
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_train import flags
 
-from model import PocketLM
+import train_full_sft
+import train_pretrain
+from model import PocketLM, load_model
 from model.stats import attention_probs, layer_stats
+from trainer_utils.config import parse_train_config
+from trainer_utils.data import eval_batches
+from trainer_utils.loop import Session
 
-from conftest import tiny_config
+from conftest import strict_records, tiny_config
 
 T = 16
 
@@ -221,3 +228,46 @@ def test_all_padding_is_refused():
     model = PocketLM(tiny_config())
     with pytest.raises(ValueError, match="real"):
         layer_stats(model, torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.zeros(1, 4, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------- in training
+def stats_in_training(stage: str, argv: list[str], run_dir) -> tuple[list[dict], torch.Tensor, torch.Tensor | None]:
+    """Train; return the logged stats rows, the fixed batch (first two validation sequences) and its padding
+    mask as the trainer builds it (SFT: the trailing pad ids of each row; pretraining: none)."""
+    assert (train_full_sft if stage == "sft" else train_pretrain).main(argv) == 0
+    rows = [r for r in strict_records(run_dir) if "attn_entropy/layer0" in r]
+    session = Session(parse_train_config(stage, [a for a in argv if a != "--overwrite"] + ["--resume"], ""), stage)
+    x, _ = next(eval_batches(session.val_data, 2, 1, 0, 1))
+    real = None
+    if stage == "sft":
+        pad = session.tokenizer.pad_id
+        real = torch.stack([torch.arange(x.shape[1]) < int((row != pad).nonzero().max()) + 1 for row in x]).long()
+    return rows, x, real
+
+
+def test_training_logs_the_stats_of_a_fixed_validation_batch_at_each_evaluation(corpus, tmp_path):
+    argv = flags(corpus, tmp_path, max_steps=8, eval_interval=4, use_tensorboard=True)
+    rows, x, _ = stats_in_training("pretrain", argv, tmp_path / "run")
+    assert [r["step"] for r in rows] == [4, 8]
+    for r in rows:
+        for i in (0, 1):
+            assert 0 < r[f"attn_entropy_norm/layer{i}"] <= 1 and r[f"act_rms/layer{i}"] > 0
+    # the numbers are layer_stats of the final weights on the fixed batch
+    expected = layer_stats(load_model(tmp_path / "run")[0], x).flat()
+    assert rows[-1] == {**rows[-1], **{k: pytest.approx(v, abs=1e-4) for k, v in expected.items()}}
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"histograms": 0})
+    histograms = events.Reload().Tags()["histograms"]
+    assert {"attn_entropy_heads/layer1", "attn_entropy_queries/layer0", "act_rms_tokens/layer1"} <= set(histograms)
+
+
+def test_sft_stats_leave_the_padding_out(corpus, tmp_path):
+    argv = flags(corpus, tmp_path, data_path=corpus["sft"], max_steps=2, eval_interval=2, val_fraction=0.3)
+    [row], x, real = stats_in_training("sft", argv, tmp_path / "run")
+    assert (real == 0).any(), "the fixed batch should hold a padded row"
+    model = load_model(tmp_path / "run")[0]
+    expected, with_padding = layer_stats(model, x, attention_mask=real).flat(), layer_stats(model, x).flat()
+    assert row == {**row, **{k: pytest.approx(v, abs=1e-4) for k, v in expected.items()}}
+    moved = [k for k in expected if with_padding[k] != pytest.approx(expected[k], rel=1e-3)]
+    assert len(moved) > len(expected) / 2, "counting the padding would have changed most of the statistics"
+    rows, _, _ = stats_in_training("sft", argv + ["--overwrite", "--no-layer_stats"], tmp_path / "run")
+    assert rows == []

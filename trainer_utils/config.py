@@ -135,6 +135,8 @@ class EvalOptions:
     probes: str | None = option(None, "prompt<TAB>expected file scored at every evaluation into probes.jsonl "
                                       "(e.g. dataset/prompts/probes.tsv)", metavar="FILE")
     sample_tokens: int = option(32, "tokens generated per sample prompt", at_least=1)
+    layer_stats: bool = option(True, "per-layer attention entropy and activation RMS of a fixed validation "
+                                     "batch at every evaluation, into metrics.jsonl (and histograms)")
 
     @property
     def early_stopping(self) -> bool:

@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +32,14 @@ from common.files import BEST_NAME, TRAIN_CONFIG_NAME, write_atomic
 from dataset.config import prepare_data
 from dataset.datasets import PretrainDataset, SFTDataset
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
-from model import ModelConfig, PocketLM, get_preset
-from model.config import architecture, model_name
+from model import ModelConfig, PocketLM
+from model.config import architecture, model_name, reshape_preset
 from model.generate import generate
 from model.inference import DTYPES, read_train_info
 from model.loading import load_state_into, read_state_dict, resolve_model_dir
+from model.memory import MemoryEstimate, estimate_memory, measure_step_peak
 from model.probes import read_probe_file, read_prompt_file, run_probes
+from model.stats import layer_stats
 
 from .backend import Backend
 from .checkpoint import (
@@ -73,20 +75,11 @@ OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and mo
 def new_model_config(options: ModelOptions, vocab_size: int | None = None) -> ModelConfig:
     """The config of a new model: the preset, reshaped by --hidden_size / --num_hidden_layers / --max_seq_len,
     with the tokenizer's vocabulary (None: the preset's)."""
-    preset = get_preset(options.preset or DEFAULT_PRESET)
-    overrides: dict[str, Any] = {k: getattr(options, k) for k in ("hidden_size", "num_hidden_layers", "dropout")
-                                 if getattr(options, k) is not None}
-    if vocab_size is not None:
-        overrides["vocab_size"] = vocab_size  # the embedding table matches the tokenizer actually used
-    if options.max_seq_len is not None:
-        overrides["max_seq_len"] = options.max_seq_len
-        overrides["max_position_embeddings"] = max(preset.max_position_embeddings, options.max_seq_len)
-    if options.hidden_size is not None:
-        # keep the preset's head size when only the width changes
-        heads = max(1, options.hidden_size // preset.head_dim)
-        kv = preset.num_key_value_heads
-        overrides.update(num_attention_heads=heads, num_key_value_heads=kv if heads % kv == 0 else heads)
-    return get_preset(options.preset or DEFAULT_PRESET, **overrides)
+    extra: dict[str, Any] = {} if vocab_size is None else {"vocab_size": vocab_size}  # the tokenizer actually used
+    if options.dropout is not None:
+        extra["dropout"] = options.dropout
+    return reshape_preset(options.preset or DEFAULT_PRESET, options.hidden_size, options.num_hidden_layers,
+                          options.max_seq_len, **extra)
 
 
 def check_resumed_model(options: ModelOptions, saved: ModelConfig, run_dir: Path) -> None:
@@ -261,6 +254,7 @@ class Trainer:
         if s.resume_from is not None:  # after wrap: a DeepSpeed engine restores into itself
             self._restore(s.resume_from)
         self.logger: MetricsLogger | None = None
+        self.stats_batch = self._stats_batch() if c.eval.layer_stats and self.backend.is_main else None
 
         cfg = self.model.config
         self.flops_per_token = flops_per_token(cfg, s.max_seq_len)
@@ -276,6 +270,10 @@ class Trainer:
                          "model": cfg.to_dict(), "parameters": cfg.num_parameters()}
         if s.fallbacks:
             self.resolved["precision_fallback"] = s.fallbacks
+        self.memory = self._memory_estimate()
+        if self.memory is not None:
+            self.resolved["memory_estimate"] = {"peak_bytes": self.memory.peak, "at": self.memory.peak_moment,
+                                                **{k: getattr(self.memory, k) for k in MEMORY_KINDS}}
 
     # ------------------------------------------------------------------------- state
     def _restore(self, ckpt: Path) -> None:
@@ -378,14 +376,21 @@ class Trainer:
         if backend.is_main:
             self.write_run_config()
             self.logger.message(json.dumps({k: v for k, v in self.resolved.items() if k != "model"}))
+            if self.memory is not None:
+                self.logger.message(self.memory.summary())
         feeder = StepFeeder(s.train_data, self.config.optim.batch_size, self.config.optim.accumulation_steps,
                             backend.rank, backend.world_size, self.cursor, self.device)
         exit_code = 0
         self.model.train()
+        # memory is measured on a step that has the optimizer state: the second, or the first after a resume
+        measure_at = self.step if self.step > 0 else 1
         try:
             with StopSignal() as stop:
                 while self.step < self.total_steps and not self._stop_requested(stop):
-                    self._optimizer_step(feeder)
+                    if self.step == measure_at and self.memory is not None:
+                        self._measure_memory(lambda: self._optimizer_step(feeder))
+                    else:
+                        self._optimizer_step(feeder)
                     if self._due(run.log_interval):
                         self._log()
                         trouble = self._nonfinite_trouble()
@@ -396,6 +401,7 @@ class Trainer:
                     early_stop = None
                     if self._due(self.config.eval.eval_interval):
                         self._eval_and_log()
+                        self._layer_stats()
                         self._samples_and_probes()
                         early_stop = self._early_stop_reason()
                     if (self._due(run.save_interval) or early_stop) and self.last_saved != self.step:
@@ -465,6 +471,51 @@ class Trainer:
         c["skipped"] += 1 - ok
         c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
         c["grad_norm"] = grad_norm.double()
+
+    def _memory_estimate(self) -> MemoryEstimate | None:
+        """python -m model --estimate for this run (printed at the start), or None where it does not apply."""
+        if self.backend.name == "deepspeed" or self.model.config.dropout > 0:
+            return None  # ZeRO shards the optimizer state; dropout masks are not modelled
+        o, cfg = self.config.optim, self.model.config
+        return estimate_memory(cfg, o.batch_size, self.s.max_seq_len, self.precision.dtype,
+                               self.config.model.grad_checkpointing, o.accumulation_steps, name=model_name(cfg))
+
+    def _measure_memory(self, step: Callable[[], None]) -> None:
+        """Run one optimizer step with its memory peak measured (rank 0; CPU: profiled, a few % slower once) and
+        log it beside the estimate printed at the start."""
+        if not self.backend.is_main:
+            return step()
+        measured = measure_step_peak(step, self.device, self.model, self.optimizer)
+        self.logger.log({"step": self.step, "memory_estimated_gb": round(self.memory.peak / 2**30, 4),
+                         "memory_measured_gb": round(measured / 2**30, 4)})
+        note = ("; the estimate is for batches of --max_seq_len tokens, SFT batches are as long as their longest "
+                "conversation" if self.s.stage == "sft" else "")
+        self.logger.message(self.memory.summary(measured) + note)
+
+    def _stats_batch(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The fixed batch of --layer_stats: the first 2 validation sequences, at most 1024 tokens (its attention
+        weights are materialised: B x heads x T x T per layer), and which positions are not padding."""
+        if self.s.val_data is None:
+            return None
+        x, _ = next(eval_batches(self.s.val_data, 2, 1, 0, 1))
+        x = x[:, :1024].to(self.device)
+        if self.s.stage != "sft":
+            return x, None  # pretraining windows are never padded
+        # SFT batches are right-padded: the trailing run of pad ids in each row
+        real = (x != self.s.tokenizer.pad_id).flip(1).cumsum(1).flip(1) > 0
+        return x, real.long()
+
+    @torch.no_grad()
+    def _layer_stats(self) -> None:
+        """Rank 0 records per-layer attention entropy and activation RMS of the fixed batch (model/stats.py):
+        attention collapsing onto one token, or activations growing towards overflow, show here first."""
+        if not self.backend.is_main or not self.config.eval.layer_stats or self.stats_batch is None:
+            return
+        x, real = self.stats_batch
+        with self.precision.autocast():
+            stats = layer_stats(self.model, x, attention_mask=real)
+        self.logger.log({"step": self.step, **{k: round(v, 5) for k, v in stats.flat().items()}})
+        self.logger.log_histograms(self.step, stats.histograms())
 
     @torch.no_grad()
     def _samples_and_probes(self) -> None:
@@ -596,6 +647,9 @@ class Trainer:
             ppl = math.exp(min(self.val_loss, 50))  # capped: a diverged run must not overflow the log
             self.logger.log({"step": self.step, "val_loss": round(self.val_loss, 5), "val_ppl": round(ppl, 3)})
             self.logger.message(f"step {self.step}: val_loss {self.val_loss:.4f} (ppl {ppl:.2f})")
+
+
+MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "logits")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -105,6 +105,18 @@ class MetricsLogger:
             self.wandb.log({name: wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])},
                            step=step)
 
+    def log_histograms(self, step: int, values: dict[str, torch.Tensor]) -> None:
+        """Distributions (per-head attention entropy, per-token activation RMS) as TensorBoard / wandb
+        histograms; metrics.jsonl holds their summaries."""
+        if not self.enabled or not values:
+            return
+        if self.tb is not None:
+            for name, v in values.items():
+                self.tb.add_histogram(name, v.float(), step)
+        if self.wandb is not None:
+            import wandb
+            self.wandb.log({name: wandb.Histogram(v.float().numpy()) for name, v in values.items()}, step=step)
+
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)
