@@ -34,15 +34,17 @@ def option(default: Any, help: str, *, choices: Sequence[Any] | None = None, at_
            above: float | None = None, below: float | None = None, at_most: float | None = None,
            stages: tuple[str, ...] | None = None,
            persist: bool = True, hidden: bool = False, aliases: tuple[str, ...] = (),
-           metavar: str | None = None) -> Any:
+           metavar: str | None = None, several: bool = False) -> Any:
     """A setting: its default, its help line and its checks.
 
     at_least / above / below / at_most: numeric bounds checked after parsing (None values pass).
     stages: the entry points (e.g. ("sft",)) that have this flag; the others reject it.
     persist=False: an action of one invocation (--resume), left out of the written config.
+    several=True (list settings): one flag takes several values (--data_path a b); otherwise it repeats
+    (--prompt a --prompt b).
     """
     meta = dict(help=help, choices=choices, at_least=at_least, above=above, below=below, at_most=at_most,
-                stages=stages, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar)
+                stages=stages, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar, several=several)
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -186,7 +188,9 @@ def build_parser(config_cls: type, description: str | None = None, stage: str | 
                 kw["metavar"] = s.meta["metavar"] or {int: "N", float: "X"}.get(s.base, "STR")
             else:
                 kw["choices"] = s.choices
-            if s.is_list:
+            if s.is_list and s.meta["several"]:
+                kw["nargs"] = "+"  # one flag, several values; given again, it replaces them like any flag
+            elif s.is_list:
                 kw["action"] = "append"
         groups[s.group].add_argument(*names, **kw)
     return p

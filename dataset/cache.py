@@ -390,10 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(CacheConfig, argv, main.__doc__)
         tokenizer = Tokenizer(cfg.data.tokenizer or DEFAULT_TOKENIZER_DIR)
-        cache = prepare_data(cfg.data, tokenizer, cfg.target.kind, cfg.target.max_seq_len,
-                             log=lambda m: print(m, file=sys.stderr))
+        prepared = prepare_data(cfg.data, tokenizer, cfg.target.kind, cfg.target.max_seq_len,
+                                log=lambda m: print(m, file=sys.stderr))
     except PocketLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"cache: {cache.path}")
+    for _, cache in prepared:
+        print(f"cache: {cache.path}")
     return 0

@@ -1,18 +1,51 @@
-"""The data settings shared by every entry point that reads a training file, and the one way to prepare them.
+"""The data settings shared by every entry point that reads training files, and the one way to prepare them.
 
-Training and `python -m dataset.cache` both build a DataConfig and call `prepare_data`, so a cache prepared
-ahead of time (e.g. before a cluster job) has exactly the key the trainer looks up.
+Training, `python -m dataset.cache` and `python -m dataset.inspect` all build a DataConfig and call
+`prepare_data` (and the latter two `training_data`), so a cache prepared ahead of time (e.g. before a cluster
+job) has exactly the key the trainer looks up, and the batches inspected are the ones trained on.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Literal
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Literal
 
 from common.config import option
 from common.errors import ConfigError
 
 from .cache import DEFAULT_SPLIT_SEED, TokenCache, prepare
+from .datasets import PretrainDataset, SFTDataset
+from .jsonl import DataError
+from .mixture import Mixture
 from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One training file of the mix, with its weight (None: proportional to its size)."""
+
+    path: str
+    weight: float | None = None
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem
+
+
+def parse_source(spec: str) -> DataSource:
+    """`path` or `path:weight`. The weight is what follows the last colon when that is a number, so paths that
+    contain colons still work."""
+    path, sep, tail = spec.rpartition(":")
+    if not sep or not path:
+        return DataSource(spec)
+    try:
+        weight = float(tail)
+    except ValueError:
+        return DataSource(spec)
+    if not math.isfinite(weight) or weight <= 0:
+        raise ConfigError(f"--data_path {spec}: the weight must be a positive number, got {tail}")
+    return DataSource(path, weight)
 
 
 @dataclass
@@ -20,7 +53,9 @@ class DataConfig:
     """Where the training text is, how it is split and how it is tokenized (once, into a cache)."""
 
     title: ClassVar[str] = "data"
-    data_path: str | None = option(None, "JSONL file (tokenized once, cached beside it)", metavar="F.jsonl")
+    data_path: list[str] | None = option(
+        None, "JSONL file(s), each tokenized once and cached beside it; several are mixed by weight: a.jsonl:0.7 "
+              "b.jsonl:0.3 (default weights: proportional to size)", metavar="F.jsonl[:W]", several=True)
     tokenizer: str | None = option(None, "tokenizer dir (default: model/tokenizer, or the --init_from "
                                          "checkpoint's)", metavar="DIR")
     val_fraction: float = option(0.005, "share of documents held out for validation", at_least=0, below=1)
@@ -35,14 +70,93 @@ class DataConfig:
                     "drop", stages=("sft",))
 
 
+    def sources(self) -> list[DataSource]:
+        """The --data_path files with their weights, checked: all weighted or none, no file twice."""
+        sources = [parse_source(spec) for spec in self.data_path or []]
+        if not sources:
+            raise ConfigError("--data_path is required")
+        weighted = [s.weight is not None for s in sources]
+        if any(weighted) and not all(weighted):
+            raise ConfigError("--data_path: give a weight to every file (a.jsonl:0.7 b.jsonl:0.3) or to none "
+                              "(proportional to size)")
+        paths = [str(Path(s.path).resolve()) for s in sources]
+        twice = list(dict.fromkeys(s.path for s, p in zip(sources, paths) if paths.count(p) > 1))
+        if twice:
+            raise ConfigError(f"--data_path names {', '.join(twice)} more than once")
+        return sources
+
+
 def prepare_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len: int,
-                 log: Callable[[str], None] = print) -> TokenCache:
-    """The token cache for `data` (built if missing or stale). Pretraining caches do not depend on the
-    context length (windows are cut at read time); SFT caches do, since overlong conversations are cut
+                 log: Callable[[str], None] = print) -> list[tuple[DataSource, TokenCache]]:
+    """The token cache of each --data_path file (built if missing or stale). Pretraining caches do not depend
+    on the context length (windows are cut at read time); SFT caches do, since overlong conversations are cut
     or dropped while tokenizing."""
     extra = {"max_seq_len": max_seq_len, "overlong": data.overlong} if kind == "sft" else {}
-    return prepare(data.data_path, tokenizer, kind, data.val_fraction, data.split_seed, data.num_workers,
-                   data.skip_bad_lines, data.cache_dir, log=log, **extra)
+    return [(source, prepare(source.path, tokenizer, kind, data.val_fraction, data.split_seed, data.num_workers,
+                             data.skip_bad_lines, data.cache_dir, log=log, **extra))
+            for source in data.sources()]
+
+
+@dataclass
+class ValSet:
+    """One source's validation split, and its weight in the mixture's validation loss."""
+
+    name: str
+    weight: float
+    data: Any  # PretrainDataset | SFTDataset
+
+
+@dataclass
+class TrainingData:
+    """What the trainer reads: one training order (a Mixture when there are several files), and each file's
+    validation split (none when it has no validation documents)."""
+
+    train: Any  # PretrainDataset | SFTDataset | Mixture
+    val: list[ValSet]
+    sources: list[dict[str, Any]]  # path, weight (normalised) and training samples of each file
+
+    @property
+    def first_val(self) -> Any:
+        return self.val[0].data if self.val else None
+
+
+def training_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len: int, batch_size: int,
+                  seed: int, log: Callable[[str], None] = print) -> TrainingData:
+    """Prepare every --data_path file and build the training order the loop walks (see dataset/mixture.py)."""
+    def make(cache: TokenCache, split: str) -> Any:
+        if kind == "sft":
+            return SFTDataset(cache, split, batch_size, seed, tokenizer.pad_id)
+        return PretrainDataset(cache, split, max_seq_len, seed)
+
+    prepared = prepare_data(data, tokenizer, kind, max_seq_len, log)
+    parts = [make(cache, "train") for _, cache in prepared]
+    sources = [s for s, _ in prepared]
+    given = [s.weight for s in sources]
+    weights = given if given[0] is not None else [float(len(p)) for p in parts]
+    weights = [w / sum(weights) for w in weights]
+    names = _unique_names([s.name for s in sources])
+    val = []
+    for name, weight, (_, cache) in zip(names, weights, prepared):
+        if not cache.meta["splits"]["val"]["documents"]:
+            continue
+        try:
+            v = make(cache, "val")
+        except DataError as e:  # e.g. fewer validation tokens than one window: train on, without its val loss
+            log(f"note: no validation loss for {name}: {e}")
+            continue
+        if len(v):
+            val.append(ValSet(name, weight, v))
+    # one source: its own order, exactly as without mixing; several: drawn by weight (SFT in whole batches)
+    train = parts[0] if len(parts) == 1 else Mixture(parts, weights, batch_size if kind == "sft" else 1, seed,
+                                                     names)
+    info = [{"path": s.path, "name": n, "weight": round(w, 6), "train_samples": len(p)}
+            for s, n, w, p in zip(sources, names, weights, parts)]
+    return TrainingData(train, val, info)
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    """File stems as metric names (val_loss/<name>); a stem used twice gets its position appended."""
+    return [n if names.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(names)]
 
 
 @dataclass
@@ -64,5 +178,4 @@ class CacheConfig:
     target: CacheTarget
 
     def check(self) -> None:
-        if self.data.data_path is None:
-            raise ConfigError("--data_path is required")
+        self.data.sources()

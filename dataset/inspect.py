@@ -22,8 +22,7 @@ import torch
 from common.config import option, parse_config
 from common.errors import PocketLMError
 
-from .config import CacheConfig, CacheTarget, prepare_data
-from .datasets import PretrainDataset, SFTDataset
+from .config import CacheConfig, CacheTarget, training_data
 from .tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
 
 OPEN, CLOSE = "⟦", "⟧"
@@ -102,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(InspectConfig, argv, __doc__)
         d, t = config.data, config.target
         tok = Tokenizer(d.tokenizer or DEFAULT_TOKENIZER_DIR)
-        cache = prepare_data(d, tok, t.kind, t.max_seq_len, log=lambda m: print(m, file=sys.stderr))
-        if t.kind == "sft":
-            dataset = SFTDataset(cache, "train", t.batch_size, t.seed, tok.pad_id)
-        else:
-            dataset = PretrainDataset(cache, "train", t.max_seq_len, t.seed)
+        dataset = training_data(d, tok, t.kind, t.max_seq_len, t.batch_size, t.seed,
+                                log=lambda m: print(m, file=sys.stderr)).train
         x, y = dataset.batch(np.asarray(dataset.global_indices(0, t.batch_size)))
     except PocketLMError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -59,6 +59,17 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
             "sft": write_jsonl(d / "sft.jsonl", demo_records("sft_demo.jsonl", 60)), "cache": d / "cache"}
 
 
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory) -> dict[str, Path]:
+    """The corpus fixture's documents and conversations split into two files each, to be mixed."""
+    d = tmp_path_factory.mktemp("sources")
+    pretrain, sft = demo_records("pretrain_demo.jsonl", 40), demo_records("sft_demo.jsonl", 60)
+    return {"pretrain_a": write_jsonl(d / "first.jsonl", pretrain[:24]),
+            "pretrain_b": write_jsonl(d / "second.jsonl", pretrain[24:]),
+            "sft_a": write_jsonl(d / "chat_a.jsonl", sft[:40]), "sft_b": write_jsonl(d / "chat_b.jsonl", sft[40:]),
+            "cache": d / "cache"}
+
+
 def cli_flags(base: dict, **overrides) -> list[str]:
     """argv for a training script: {"max_steps": 4, "resume": True} -> ["--max_steps", "4", "--resume"]."""
     out: list[str] = []

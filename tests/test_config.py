@@ -92,7 +92,7 @@ def test_eval_and_cache_entry_points_share_the_machinery(tmp_path):
     from dataset.config import CacheConfig
     training = parse_train_config("pretrain", [], "").data
     assert parse_config(CacheConfig, ["--data_path", "f.jsonl"]).data == \
-        type(training)(**{**vars(training), "data_path": "f.jsonl"})  # the same data defaults
+        type(training)(**{**vars(training), "data_path": ["f.jsonl"]})  # the same data defaults
 
 
 # ---------------------------------------------------------------- recipes and re-runs

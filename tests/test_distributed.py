@@ -65,6 +65,18 @@ def test_ddp_two_ranks_reproduce_the_single_process_curve(corpus, tmp_path, accu
         torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=0)
 
 
+def test_ddp_ranks_split_a_mixture_like_one_process_reads_it(two_sources, tmp_path):
+    """Each rank reads its positions of the weighted draw: two ranks train on the single process's batches."""
+    mix = ["--data_path", f"{two_sources['pretrain_a']}:0.7", f"{two_sources['pretrain_b']}:0.3",
+           "--val_fraction", "0.1"]
+    corpus = {"pretrain": None, "cache": two_sources["cache"]}
+    single(args(corpus, tmp_path, "single", batch_size=8, data_path=None) + mix)
+    torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, data_path=None) + mix)
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert len(a) == len(b) == 6
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+
+
 def test_two_rank_run_resumes_on_one_rank_at_the_same_sample(corpus, tmp_path):
     single(args(corpus, tmp_path, "single", batch_size=8))
     torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4))

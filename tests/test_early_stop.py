@@ -25,7 +25,12 @@ def scripted_val_losses(monkeypatch, values: list[float]) -> None:
     """Trainer.evaluate returns these values in turn (then repeats the last)."""
     it = iter(values)
     last = [values[-1]]
-    monkeypatch.setattr(loop_mod.Trainer, "evaluate", lambda self: last.__setitem__(0, next(it, last[0])) or last[0])
+
+    def evaluate(self):
+        last[0] = next(it, last[0])
+        return {self.s.val_sets[0].name: last[0]}
+
+    monkeypatch.setattr(loop_mod.Trainer, "evaluate", evaluate)
 
 
 def events(run) -> list[dict]:
@@ -55,7 +60,7 @@ def test_overfit_gap_stops_when_validation_drifts_above_training(corpus, tmp_pat
     losses = iter([])
 
     def val_above_train(self):
-        return (self.last_train_loss or 9.0) + next(losses, 1.0)
+        return {self.s.val_sets[0].name: (self.last_train_loss or 9.0) + next(losses, 1.0)}
 
     losses = iter([0.1, 0.2, 0.8])  # gaps at steps 2, 4, 6
     monkeypatch.setattr(loop_mod.Trainer, "evaluate", val_above_train)

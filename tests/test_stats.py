@@ -237,7 +237,7 @@ def stats_in_training(stage: str, argv: list[str], run_dir) -> tuple[list[dict],
     assert (train_full_sft if stage == "sft" else train_pretrain).main(argv) == 0
     rows = [r for r in strict_records(run_dir) if "attn_entropy/layer0" in r]
     session = Session(parse_train_config(stage, [a for a in argv if a != "--overwrite"] + ["--resume"], ""), stage)
-    x, _ = next(eval_batches(session.val_data, 2, 1, 0, 1))
+    x, _ = next(eval_batches(session.val_sets[0].data, 2, 1, 0, 1))
     real = None
     if stage == "sft":
         pad = session.tokenizer.pad_id

@@ -179,8 +179,8 @@ class TrainConfig:
 
 
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "pretrain": dict(data_path="dataset/demo/pretrain_demo.jsonl", batch_size=32, learning_rate=5e-4),
-    "sft": dict(data_path="dataset/demo/sft_demo.jsonl", batch_size=16, learning_rate=5e-5),
+    "pretrain": dict(data_path=["dataset/demo/pretrain_demo.jsonl"], batch_size=32, learning_rate=5e-4),
+    "sft": dict(data_path=["dataset/demo/sft_demo.jsonl"], batch_size=16, learning_rate=5e-5),
 }
 
 

@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from common.config import RESOLVED_KEY, to_dict
 from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
 from common.files import BEST_NAME, TRAIN_CONFIG_NAME, write_atomic
-from dataset.config import prepare_data
-from dataset.datasets import PretrainDataset, SFTDataset
+from dataset.config import training_data
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
 from model import ModelConfig, PocketLM
 from model.config import architecture, model_name, reshape_preset
@@ -146,9 +145,12 @@ class Session:
                                   "--overwrite to replace it, or --run_name to start another")
             if self.env.rank == 0:
                 shutil.rmtree(self.run_dir)
-        self.train_data, self.val_data = self._datasets()
-        if config.eval.early_stopping and self.val_data is None:
-            raise ConfigError(f"{config.data.data_path}: no validation documents at --val_fraction "
+        self.data = training_data(config.data, self.tokenizer, "sft" if stage == "sft" else "pretrain",
+                                  self.max_seq_len, config.optim.batch_size, config.optim.seed,
+                                  log=lambda msg: print(msg, file=sys.stderr))
+        self.train_data, self.val_sets = self.data.train, self.data.val
+        if config.eval.early_stopping and not self.val_sets:
+            raise ConfigError(f"{' '.join(config.data.data_path)}: no validation documents at --val_fraction "
                               f"{config.data.val_fraction}; early stopping needs some (raise --val_fraction)")
         self.backend: Backend = make_backend(config, self.env, self.device, self.precision)
 
@@ -191,20 +193,6 @@ class Session:
                 init_config.dropout = m.dropout
             return init_config
         return new_model_config(m, self.tokenizer.vocab_size)
-
-    def _datasets(self) -> tuple[Any, Any]:
-        o = self.config.optim
-        kind = "sft" if self.stage == "sft" else "pretrain"
-        cache = prepare_data(self.config.data, self.tokenizer, kind, self.max_seq_len,
-                             log=lambda msg: print(msg, file=sys.stderr))
-        if kind == "sft":
-            make = lambda split: SFTDataset(cache, split, o.batch_size, o.seed, self.tokenizer.pad_id)  # noqa: E731
-        else:
-            make = lambda split: PretrainDataset(cache, split, self.max_seq_len, o.seed)  # noqa: E731
-        val = make("val") if cache.meta["splits"]["val"]["documents"] else None
-        if val is not None and len(val) == 0:
-            val = None
-        return make("train"), val
 
     def build_model(self) -> PocketLM:
         model = PocketLM(self.model_config)
@@ -265,9 +253,11 @@ class Trainer:
                          "steps_per_epoch": steps_per_epoch, "samples_per_step": self.samples_per_step,
                          "tokens_per_step": self.samples_per_step * s.max_seq_len, "max_seq_len": s.max_seq_len,
                          "warmup_steps": warmup, "min_lr": min_lr, "train_samples": len(s.train_data),
-                         "val_samples": len(s.val_data) if s.val_data is not None else 0,
+                         "val_samples": sum(len(v.data) for v in s.val_sets),
                          "tokenizer": str(s.tokenizer.path), "tokenizer_sha256": s.tokenizer.sha256,
                          "model": cfg.to_dict(), "parameters": cfg.num_parameters()}
+        if len(s.data.sources) > 1:
+            self.resolved["data_mixture"] = s.data.sources
         if s.fallbacks:
             self.resolved["precision_fallback"] = s.fallbacks
         self.memory = self._memory_estimate()
@@ -324,22 +314,24 @@ class Trainer:
 
     # -------------------------------------------------------------------------- eval
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        if self.s.val_data is None:
-            return None
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (nats per target token) of each --data_path file that has a validation split, over
+        the same --eval_batches batches every time."""
+        val_sets = self.s.val_sets
         self.model.eval()
-        total = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for x, y in eval_batches(self.s.val_data, self.config.optim.batch_size, self.config.eval.eval_batches,
-                                 self.backend.rank, self.backend.world_size):
-            x, y = x.to(self.device), y.to(self.device)
-            with self.precision.autocast():
-                logits = self.model(x)
-            total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                        reduction="sum")
-            total[1] += (y != IGNORE_INDEX).sum()
-        total = self.backend.all_reduce_sum(total)
+        total = torch.zeros(len(val_sets), 2, device=self.device, dtype=torch.float64)
+        for k, v in enumerate(val_sets):
+            for x, y in eval_batches(v.data, self.config.optim.batch_size, self.config.eval.eval_batches,
+                                     self.backend.rank, self.backend.world_size):
+                x, y = x.to(self.device), y.to(self.device)
+                with self.precision.autocast():
+                    logits = self.model(x)
+                total[k, 0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
+                                               ignore_index=IGNORE_INDEX, reduction="sum")
+                total[k, 1] += (y != IGNORE_INDEX).sum()
+        total = self.backend.all_reduce_sum(total).tolist() if val_sets else []
         self.model.train()
-        return float(total[0] / total[1]) if total[1] > 0 else None
+        return {v.name: loss / n for v, (loss, n) in zip(val_sets, total) if n > 0}
 
     # ------------------------------------------------------------------------- train
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], n_valid: torch.Tensor) -> torch.Tensor:
@@ -495,9 +487,9 @@ class Trainer:
     def _stats_batch(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The fixed batch of --layer_stats: the first 2 validation sequences, at most 1024 tokens (its attention
         weights are materialised: B x heads x T x T per layer), and which positions are not padding."""
-        if self.s.val_data is None:
+        if not self.s.val_sets:
             return None
-        x, _ = next(eval_batches(self.s.val_data, 2, 1, 0, 1))
+        x, _ = next(eval_batches(self.s.val_sets[0].data, 2, 1, 0, 1))
         x = x[:, :1024].to(self.device)
         if self.s.stage != "sft":
             return x, None  # pretraining windows are never padded
@@ -642,11 +634,21 @@ class Trainer:
                  t0=time.perf_counter(), steps=0)
 
     def _eval_and_log(self) -> None:
-        self.val_loss = self.evaluate()
-        if self.val_loss is not None:
-            ppl = math.exp(min(self.val_loss, 50))  # capped: a diverged run must not overflow the log
-            self.logger.log({"step": self.step, "val_loss": round(self.val_loss, 5), "val_ppl": round(ppl, 3)})
-            self.logger.message(f"step {self.step}: val_loss {self.val_loss:.4f} (ppl {ppl:.2f})")
+        """val_loss: each file's validation loss weighted as the files are mixed in training (one file: its
+        loss); with several files each one's loss too, as val_loss/<file stem>."""
+        losses = self.evaluate()
+        if not losses:
+            self.val_loss = None
+            return
+        weights = {v.name: v.weight for v in self.s.val_sets if v.name in losses}
+        self.val_loss = sum(weights[k] * loss for k, loss in losses.items()) / sum(weights.values())
+        ppl = math.exp(min(self.val_loss, 50))  # capped: a diverged run must not overflow the log
+        record = {"step": self.step, "val_loss": round(self.val_loss, 5), "val_ppl": round(ppl, 3)}
+        if len(self.s.data.sources) > 1:
+            record.update({f"val_loss/{k}": round(loss, 5) for k, loss in losses.items()})
+        self.logger.log(record)
+        each = "".join(f", {k} {loss:.4f}" for k, loss in losses.items()) if len(self.s.data.sources) > 1 else ""
+        self.logger.message(f"step {self.step}: val_loss {self.val_loss:.4f} (ppl {ppl:.2f}{each})")
 
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "logits")
