@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -276,18 +277,31 @@ def live_tensor_bytes(*holders: torch.nn.Module | torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
+# What the profiler's C++ side prints about itself on file descriptor 2 (Python cannot redirect it): a line when
+# it starts and stops, and a warning for each free of memory allocated before it started.
+PROFILER_NOISE = ("profiler_start", "profiler_stop", "Memory block of unknown size was allocated before")
+
+
 @contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
-    """Point file descriptor 2 at /dev/null for a moment (output from C++ that Python cannot redirect)."""
+def _profiler_noise_filtered() -> Iterator[None]:
+    """Collect what file descriptor 2 receives meanwhile and pass it on afterwards, minus PROFILER_NOISE lines, so
+    real warnings and errors of the step still reach the user."""
     sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(noise in line for noise in PROFILER_NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def measure_step_peak(step: Callable[[], Any], device: torch.device,
@@ -308,14 +322,8 @@ def measure_step_peak(step: Callable[[], Any], device: torch.device,
     from torch.profiler import ProfilerActivity, profile
 
     before = live_tensor_bytes(*holders)
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _stderr_silenced():  # the profiler's backend prints a line to fd 2 when it starts and stops
-        prof.start()
-    try:
+    with _profiler_noise_filtered(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    finally:
-        with _stderr_silenced():
-            prof.stop()
     # "[memory]" events: +bytes for an allocation, -bytes for a free, each with its time (the host kinds are the
     # ones torch.profiler's own tables count as CPU memory)
     host = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)

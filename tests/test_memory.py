@@ -261,7 +261,7 @@ def test_python_dash_m_model_exits_2_on_bad_input():
 
 # ----------------------------------------------------------------------------------------------- in training
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_trainer_prints_the_estimate_and_logs_the_measured_peak_beside_it(corpus, tmp_path, capsys, dtype):
+def test_the_trainer_prints_the_estimate_and_logs_the_measured_peak_beside_it(corpus, tmp_path, capfd, dtype):
     assert train_pretrain.main(train_flags(corpus, tmp_path, max_steps=3, dtype=dtype)) == 0
     run = tmp_path / "run"
     [record] = [r for r in strict_records(run) if "memory_measured_gb" in r]
@@ -273,7 +273,7 @@ def test_the_trainer_prints_the_estimate_and_logs_the_measured_peak_beside_it(co
     cfg = ModelConfig.from_dict(resolved["model"])
     expected = estimate_memory(cfg, 4, 64, dtype, False, 1)
     assert resolved["memory_estimate"]["peak_bytes"] == expected.peak
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err  # file descriptor 2, where the profiler's C++ side writes
     assert f"memory: estimated peak {fmt(expected.peak)} (at the {expected.peak_moment})\n" in err
     assert f"memory: estimated peak {fmt(expected.peak)} (at the {expected.peak_moment}), measured " in err
-    assert "USDT" not in err  # the profiler's own start/stop lines are kept out of the log
+    assert "USDT" not in err and "unknown size" not in err  # the profiler's notes about itself are kept out

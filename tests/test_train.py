@@ -374,3 +374,21 @@ def test_tf32_switch_sets_cuda_matmul_precision_only():
         setattr(matmul, attr, saved)
     assert getattr(matmul, attr) == saved
     assert parse_train_config("pretrain", ["--no-tf32"], "").precision.tf32 is False
+
+
+def test_the_skipped_step_count_survives_a_resume(corpus, tmp_path, monkeypatch):
+    real = loop_mod.Trainer.train_step
+
+    def poison_step_2(self, micro, n_valid):
+        loss = real(self, micro, n_valid)
+        if self.step == 1:
+            next(self.model.parameters()).grad.fill_(float("nan"))
+        return loss
+
+    monkeypatch.setattr(loop_mod.Trainer, "train_step", poison_step_2)
+    stop_at(monkeypatch, 4)
+    assert train_pretrain.main(flags(corpus, tmp_path)) == 0
+    monkeypatch.undo()
+    assert train_pretrain.main(flags(corpus, tmp_path, resume=True)) == 0
+    assert [(r["step"], r["skipped_steps"]) for r in read_metrics(tmp_path / "run")] == [(2, 1), (4, 1), (6, 1),
+                                                                                         (8, 1)]

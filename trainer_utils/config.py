@@ -133,7 +133,8 @@ class EvalOptions:
                                  "fixed sampling settings and seed, into samples.jsonl ('none': off)",
                                  metavar="FILE")
     probes: str | None = option(None, "prompt<TAB>expected file scored at every evaluation into probes.jsonl "
-                                      "(e.g. dataset/prompts/probes.tsv)", metavar="FILE")
+                                      "(e.g. dataset/prompts/probes.tsv; 'none': off, e.g. over a recipe's)",
+                                metavar="FILE")
     sample_tokens: int = option(32, "tokens generated per sample prompt", at_least=1)
     layer_stats: bool = option(True, "per-layer attention entropy and activation RMS of a fixed validation "
                                      "batch at every evaluation, into metrics.jsonl (and histograms)")

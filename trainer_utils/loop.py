@@ -128,7 +128,7 @@ class Session:
         # prompt files are read now: a missing or malformed one must not wait for the first evaluation
         ev = config.eval
         self.samples = read_prompt_file(ev.sample_prompts) if ev.sample_prompts.lower() != "none" else []
-        self.probes = read_probe_file(ev.probes) if ev.probes else []
+        self.probes = read_probe_file(ev.probes) if ev.probes and ev.probes.lower() != "none" else []
         if stage == "sft" and self.init_dir is None and self.resume_from is None:
             print("note: no --init_from; fine-tuning a randomly initialised model", file=sys.stderr)
         self.tokenizer = Tokenizer(config.data.tokenizer or self._default_tokenizer())
@@ -276,6 +276,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.cursor, self.tokens_seen = state["step"], state["cursor"], state["tokens_seen"]
         self.counters["tokens_seen"] += self.tokens_seen
+        self.skipped = state.get("skipped", 0)  # the count in metrics.jsonl goes on across resumes
+        self.counters["skipped"] += self.skipped
         self.best.update(state.get("early_stop", {}))
         set_rng_state(state["rng"])
         if state.get("world_size") != self.backend.world_size and self.backend.is_main:
@@ -295,7 +297,8 @@ class Trainer:
         backend.barrier()
         if backend.is_main:
             state = {**backend_state, "scheduler": self.scheduler.state_dict(), "step": self.step,
-                     "cursor": self.cursor, "tokens_seen": self.tokens_seen, "rng": rng_state(),
+                     "cursor": self.cursor, "tokens_seen": self.tokens_seen, "skipped": self.skipped,
+                     "rng": rng_state(),
                      "world_size": backend.world_size, "tokenizer_sha256": self.s.tokenizer.sha256,
                      "early_stop": dict(self.best), "config": to_dict(self.config, self.s.stage)}
             info = {"stage": self.s.stage, "tokens_seen": self.tokens_seen, "val_loss": self.val_loss,
@@ -466,8 +469,10 @@ class Trainer:
 
     def _memory_estimate(self) -> MemoryEstimate | None:
         """python -m model --estimate for this run (printed at the start), or None where it does not apply."""
-        if self.backend.name == "deepspeed" or self.model.config.dropout > 0:
-            return None  # ZeRO shards the optimizer state; dropout masks are not modelled
+        c = self.config
+        if self.backend.name == "deepspeed" or c.optim.optimizer != "adamw" or c.model.compile or \
+                self.model.config.dropout > 0:
+            return None  # the formula is eager PyTorch with AdamW, unsharded, without dropout masks
         o, cfg = self.config.optim, self.model.config
         return estimate_memory(cfg, o.batch_size, self.s.max_seq_len, self.precision.dtype,
                                self.config.model.grad_checkpointing, o.accumulation_steps, name=model_name(cfg))
