@@ -28,21 +28,21 @@ Saved for backward by one block, per token (an op keeps only what its gradient f
 
 Around the blocks: the ids of learned positions (8 bytes each), the final norm (its input, what it keeps, its
 output or autocast copy), the lm_head's weight copy (autocast), and the loss's fp32 log-softmax (4V per token).
-The logits (aV per token) are saved by no op, but train_step's `logits` variable keeps them until backward ends.
+The logits (aV per token) are saved by no op: they live until the loss is computed, then only the loss is kept.
 Gradient checkpointing keeps only each block's input (4d per token); backward recomputes one block at a time.
 
 The peak is what is held for the whole run plus the largest of five moments of the step:
     forward end           everything saved, and the logits (checkpointing under autocast: also every block's
                           cast weights, which autocast caches until the forward leaves it)
-    loss backward         everything saved, the logits, and 8V per token: the gradients of the log-probabilities
-                          and of the logits, both fp32 and dense over the vocabulary
-    last block backward   all blocks' saved tensors, the logits, the gradients made so far (lm_head, final
+    loss backward         everything saved, and 8V per token: the gradients of the log-probabilities and of the
+                          logits, both fp32 and dense over the vocabulary
+    last block backward   all blocks' saved tensors, the gradients made so far (lm_head, final
                           norm), and the MLP backward's working set: the incoming gradient (4d per token), the
                           down projection's fp32 weight gradient (4df; under autocast its a-byte weight copy
                           is released by then), and 2 * a*f per token for the gradients of silu(gate) and up
                           (GELU: 1 * a*f)
     first block backward  the same inside block 0: one block's saved tensors, but every other block's gradients
-    end of backward       every gradient, the logits, and with tied embeddings two V x d fp32 tensors: the
+    end of backward       every gradient, and with tied embeddings two V x d fp32 tensors: the
                           embedding's dense gradient and its sum with the lm_head's (added out of place)
 It is the peak of a step after the first: from then on AdamW's state is there through forward and backward (the
 first step's peak is no higher). With accumulation steps, the gradients are alive through every micro-batch
@@ -96,7 +96,7 @@ class MemoryEstimate:
     activations: int  # saved for backward at the end of the forward, weight copies included
     weight_copies: int  # autocast's copies of the weights among the activations
     per_block: int  # saved by one block (checkpointed: its input)
-    logits: int  # kept by train_step until backward ends
+    logits: int  # alive from the end of the forward until the loss is computed
     moments: dict[str, int]  # what the step holds beyond `persistent` at each moment that may be the peak
 
     @property
@@ -138,7 +138,7 @@ class MemoryEstimate:
                 ("gradients", self.gradients, "fp32, from backward to the optimizer step"),
                 ("AdamW state", self.optimizer, "exp_avg + exp_avg_sq, fp32"),
                 ("activations", self.activations, f"saved for backward: {saved} + final norm and loss{copies}"),
-                ("logits", self.logits, "kept by train_step until backward ends"),
+                ("logits", self.logits, "until the loss is computed"),
                 ("total (peak)", self.peak, f"at the {self.peak_moment}: parameters + buffers + AdamW state + "
                                             f"{fmt(self.moments[self.peak_moment])}")]
         out = [f"memory for one training step: {self.label}"]
@@ -232,18 +232,18 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
         # blocks below keep their saved tensors (checkpointed: their inputs); this one is whole (recomputed)
         saved = index * saved_per_block + block
         grads = gradients if accumulating else head_grads + (L - 1 - index) * 4 * block_params
-        return saved + grads + logits + block_working_set
+        return saved + grads + block_working_set
 
     # checkpointing under autocast: the forward leaves every block's cast weights in autocast's cache
     cached_copies = L * block_weight_copies if grad_checkpointing else 0
-    earlier = gradients + logits if accumulating else 0  # the previous micro-batch's logits until reassigned
+    earlier = gradients if accumulating else 0  # the earlier micro-batches' gradients
     moments = {
         "forward end": L * saved_per_block + head + logits + cached_copies + earlier,
-        "loss backward": activations + logits + 2 * 4 * V * N + (gradients if accumulating else 0),
+        "loss backward": activations + 2 * 4 * V * N + (gradients if accumulating else 0),
         "last block backward": block_backward(L - 1),
         "first block backward": block_backward(0),
         # tied: the embedding's dense gradient and its sum with the lm_head's (a new tensor) before the old goes
-        "end of backward": gradients + logits + (2 * 4 * V * d if cfg.tie_word_embeddings else block_input),
+        "end of backward": gradients + (2 * 4 * V * d if cfg.tie_word_embeddings else block_input),
     }
     return MemoryEstimate(name or "model", P, L, batch_size, seq_len, dtype, grad_checkpointing, accumulation_steps,
                           parameters, buffers, gradients, optimizer, activations, weight_copies, saved_per_block,

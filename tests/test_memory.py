@@ -32,6 +32,7 @@ from model.memory import (
 from trainer_utils.backend import Comm, TorchBackend
 from trainer_utils.config import ModelOptions
 from trainer_utils.loop import Trainer, new_model_config
+from trainer_utils.objectives import LanguageModeling
 from trainer_utils.optim import build_optimizer
 from trainer_utils.runtime import Precision
 
@@ -67,7 +68,7 @@ class TrainingStep:
         self.trainer = types.SimpleNamespace(
             backend=self.backend, device=CPU, precision=precision,
             forward_model=self.backend.wrap(self.model, self.optimizer),
-            empty_step_anchor=min(self.model.parameters(), key=torch.numel))
+            empty_step_anchor=min(self.model.parameters(), key=torch.numel), objective=LanguageModeling())
         g = torch.Generator().manual_seed(0)
         self.micro = [(torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=g),
                        torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=g))

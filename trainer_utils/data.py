@@ -14,7 +14,8 @@ import torch
 
 
 class StepFeeder:
-    """Yields, for each optimizer step, this rank's list of (inputs, targets) micro-batches on the device."""
+    """Yields, for each optimizer step, this rank's list of micro-batches on the device: each the tuple of tensors
+    the dataset's batch() returns ((inputs, targets), or more, e.g. DPO's reference log-probs)."""
 
     def __init__(self, dataset, batch_size: int, accumulation_steps: int, rank: int, world_size: int,
                  cursor: int, device: torch.device, prefetch: int = 2) -> None:
@@ -27,16 +28,16 @@ class StepFeeder:
         self._thread = threading.Thread(target=self._produce, args=(cursor,), daemon=True)
         self._thread.start()
 
-    def _read(self, start: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    def _read(self, start: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
         out, n_input = [], 0
         for m in range(self.accum):
             first = start + (m * self.world_size + self.rank) * self.batch_size
             indices = self.dataset.global_indices(first, self.batch_size)
-            x, y = self.dataset.batch(indices)
+            batch = self.dataset.batch(indices)
             n_input += self.dataset.input_tokens(indices)  # counted here, on the host: no device sync later
             if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
-                x, y = x.pin_memory(), y.pin_memory()
-            out.append((x, y))
+                batch = tuple(t.pin_memory() for t in batch)
+            out.append(batch)
         return out, n_input
 
     def _produce(self, start: int) -> None:
@@ -53,14 +54,14 @@ class StepFeeder:
         except BaseException as e:  # surface data errors in the training thread
             self._queue.put(e)
 
-    def next_step(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    def next_step(self) -> tuple[list[tuple[torch.Tensor, ...]], int]:
         """This rank's micro-batches for the next step and their number of non-padding input tokens."""
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
         micro, n_input = item
         self.cursor += self.samples_per_step
-        micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in micro]
+        micro = [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in micro]
         return micro, n_input
 
     def close(self) -> None:
@@ -69,7 +70,7 @@ class StepFeeder:
 
 
 def eval_batches(dataset, batch_size: int, max_batches: int, rank: int,
-                 world_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 world_size: int) -> Iterator[tuple[torch.Tensor, ...]]:
     """A fixed, unshuffled slice of the validation set, split across ranks, identical at every evaluation."""
     total = min(dataset.num_examples, max_batches * batch_size * world_size)
     for start in range(rank * batch_size, total, batch_size * world_size):

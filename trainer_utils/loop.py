@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from common.config import RESOLVED_KEY, to_dict
 from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
 from common.files import BEST_NAME, TRAIN_CONFIG_NAME, write_atomic
 from dataset.config import training_data
-from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
+from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
 from model.config import architecture, model_name, reshape_preset
 from model.generate import generate
@@ -54,6 +53,7 @@ from .config import DEFAULT_PRESET, ModelOptions, TrainConfig, parse_train_confi
 from .data import StepFeeder, eval_batches
 from .distributed import detect_env, device_for, make_backend
 from .metrics import MetricsLogger, flops_per_token, peak_flops
+from .objectives import Batch, LanguageModeling, Objective
 from .optim import WarmupCosine, build_optimizer
 from .runtime import (
     Precision,
@@ -223,6 +223,7 @@ class Trainer:
         min_lr = o.min_lr if o.min_lr is not None else o.learning_rate / 10
         self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, self.total_steps)
         # the parameter through which an empty step's gradients are made NaN (see train_step)
+        self.objective: Objective = LanguageModeling()
         self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
         forward_model = torch.compile(self.model) if c.model.compile else self.model
         self.forward_model = self.backend.wrap(forward_model, self.optimizer)
@@ -238,7 +239,8 @@ class Trainer:
         zero = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
         self.counters = {"tokens_seen": zero(), "skipped": zero(), "bad_in_a_row": zero(), "grad_norm": zero()}
         self.window = {"loss": zero(), "valid": zero(), "tokens": 0, "wait": 0.0, "t0": time.perf_counter(),
-                       "steps": 0}
+                       "steps": 0, "metrics": {}}
+        self.step_metrics: dict[str, torch.Tensor] = {}
         if s.resume_from is not None:  # after wrap: a DeepSpeed engine restores into itself
             self._restore(s.resume_from)
         self.logger: MetricsLogger | None = None
@@ -324,42 +326,39 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(len(val_sets), 2, device=self.device, dtype=torch.float64)
         for k, v in enumerate(val_sets):
-            for x, y in eval_batches(v.data, self.config.optim.batch_size, self.config.eval.eval_batches,
-                                     self.backend.rank, self.backend.world_size):
-                x, y = x.to(self.device), y.to(self.device)
-                with self.precision.autocast():
-                    logits = self.model(x)
-                total[k, 0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
-                                               ignore_index=IGNORE_INDEX, reduction="sum")
-                total[k, 1] += (y != IGNORE_INDEX).sum()
+            for batch in eval_batches(v.data, self.config.optim.batch_size, self.config.eval.eval_batches,
+                                      self.backend.rank, self.backend.world_size):
+                batch = tuple(t.to(self.device) for t in batch)
+                total[k, 0] += self.objective.evaluate(self.model, batch, self.precision.autocast).loss
+                total[k, 1] += self.objective.count(batch)
         total = self.backend.all_reduce_sum(total).tolist() if val_sets else []
         self.model.train()
         return {v.name: loss / n for v, (loss, n) in zip(val_sets, total) if n > 0}
 
     # ------------------------------------------------------------------------- train
-    def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], n_valid: torch.Tensor) -> torch.Tensor:
-        """Forward/backward every micro-batch, then one optimizer step; returns the summed token loss.
+    def train_step(self, micro: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
+        """Forward/backward every micro-batch, then one optimizer step; returns the summed loss (the objective's
+        metrics, summed too, are left in self.step_metrics).
 
-        Gradients are of sum(token losses) / n_valid. A step with no target anywhere (n_valid == 0) has
+        Gradients are of sum(unit losses) / n_valid. A step with no target anywhere (n_valid == 0) has
         nothing to learn from, yet an optimizer step would still apply weight decay and momentum. Its gradients
         are made NaN instead (through the smallest trainable parameter: free when the step is not empty), so
         every backend skips it like any other non-finite step, with no host sync to decide.
         """
         world = self.backend.world_size
         loss_sum = torch.zeros((), device=self.device)
+        self.step_metrics = {}
         scale = world / n_valid.clamp(min=1)  # backends average gradients over ranks; * world: sum / n_valid
         poison = torch.where(n_valid > 0, 0.0, float("nan"))
-        for i, (x, y) in enumerate(micro):
+        for i, batch in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.backend.no_sync(self.forward_model):
-                with self.precision.autocast():
-                    logits = self.forward_model(x)
-                # reduction="sum": a micro-batch without targets adds exactly 0 (a mean would be 0/0 = NaN)
-                token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                             reduction="sum")
-                loss = token_loss * scale + (poison * self.empty_step_anchor.sum() if last else 0.0)
+                out = self.objective(self.forward_model, batch, self.precision.autocast)
+                loss = out.loss * scale + (poison * self.empty_step_anchor.sum() if last else 0.0)
                 self.backend.backward(loss)
-            loss_sum += token_loss.detach()
+            loss_sum += out.loss.detach()
+            for k, v in out.metrics.items():
+                self.step_metrics[k] = self.step_metrics.get(k, 0.0) + v.detach().double()
         return loss_sum
 
     def fit(self) -> int:
@@ -443,7 +442,7 @@ class Trainer:
         t_wait = time.perf_counter()
         micro, n_input = feeder.next_step()
         self.window["wait"] += time.perf_counter() - t_wait
-        n_local = sum((y != IGNORE_INDEX).sum() for _, y in micro).double()
+        n_local = sum(self.objective.count(batch) for batch in micro).double()
         # the valid targets of the whole step, over all ranks, normalise the loss
         n_valid = self.backend.all_reduce_sum(n_local.clone()) if self.backend.world_size > 1 else n_local
         try:
@@ -459,6 +458,8 @@ class Trainer:
         w, c = self.window, self.counters
         # torch.where, not a product: a skipped step's loss may be NaN, and NaN * 0 is NaN
         w["loss"] += torch.where(applied, loss_sum.double(), 0.0)
+        for k, v in self.step_metrics.items():
+            w["metrics"][k] = w["metrics"].get(k, 0.0) + torch.where(applied, v, 0.0)
         w["valid"] += n_local * ok
         w["tokens"] += n_input
         w["steps"] += 1
@@ -620,9 +621,12 @@ class Trainer:
         elapsed = time.perf_counter() - w["t0"]
         # token-weighted loss and non-padding inputs over all ranks: the one host sync per log interval
         tokens = torch.tensor(float(w["tokens"]), device=self.device, dtype=torch.float64)
-        loss_sum, valid, tokens = self.backend.all_reduce_sum(torch.stack([w["loss"], w["valid"], tokens])).tolist()
+        names = sorted(w["metrics"])
+        sums = torch.stack([w["loss"], w["valid"], tokens, *(w["metrics"][k] for k in names)])
+        loss_sum, valid, tokens, *metrics = self.backend.all_reduce_sum(sums).tolist()
         self._sync_counters()
         record = {"step": self.step, "loss": round(loss_sum / valid, 6) if valid > 0 else None,
+                  **{k: round(v / valid, 6) if valid > 0 else None for k, v in zip(names, metrics)},
                   "lr": self.scheduler.lr, "grad_norm": round(float(self.counters["grad_norm"]), 4),
                   "tokens_per_s": round(tokens / elapsed), "step_time_s": round(elapsed / max(w["steps"], 1), 4),
                   "data_wait_frac": round(w["wait"] / elapsed, 4), "tokens_seen": self.tokens_seen,
@@ -636,7 +640,7 @@ class Trainer:
         self.logger.log(record, bar_fields=("loss", "lr", "tokens_per_s"))
         self.last_train_loss = record["loss"]
         w.update(loss=torch.zeros_like(w["loss"]), valid=torch.zeros_like(w["valid"]), tokens=0, wait=0.0,
-                 t0=time.perf_counter(), steps=0)
+                 t0=time.perf_counter(), steps=0, metrics={})
 
     def _eval_and_log(self) -> None:
         """val_loss: each file's validation loss weighted as the files are mixed in training (one file: its
