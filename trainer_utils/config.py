@@ -22,6 +22,10 @@ from model.config import PRESETS
 from model.inference import DeviceConfig
 
 DEFAULT_PRESET = "minimind-26m"
+# The training scripts: pretraining and SFT, then the post-training ones built on a trained model.
+POST_TRAINING = ("lora", "dpo", "distill")
+STAGES = ("pretrain", "sft", *POST_TRAINING)
+ADAPTED = ("lora", "dpo")  # the stages that may train LoRA adapters instead of every weight
 
 
 @dataclass
@@ -145,6 +149,38 @@ class EvalOptions:
 
 
 @dataclass
+class LoraOptions:
+    """Low-rank adapters: rank-r updates of chosen projections are trained, the model itself stays frozen."""
+
+    title: ClassVar[str] = "LoRA"
+    lora_rank: int = option(0, "adapter rank; 0 trains every weight instead (train_lora.py: 16)", at_least=0,
+                            stages=ADAPTED)
+    lora_alpha: float = option(32.0, "adapter scale: updates are multiplied by lora_alpha / lora_rank", above=0,
+                               stages=ADAPTED)
+    lora_targets: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"], "projections that get adapters "
+                                     "(also gate_proj, up_proj, down_proj)", several=True, metavar="NAME",
+                                     stages=ADAPTED)
+    lora_dropout: float = option(0.0, "dropout on the adapters' input", at_least=0, below=1, stages=ADAPTED)
+
+
+@dataclass
+class ObjectiveOptions:
+    """What post-training optimises: DPO's preference loss, or distillation from a teacher."""
+
+    title: ClassVar[str] = "objective"
+    beta: float = option(0.1, "DPO: how strongly the policy is held to the reference (larger: closer)", above=0,
+                         stages=("dpo",))
+    label_smoothing: float = option(0.0, "DPO: share of preference labels assumed wrong (conservative DPO)",
+                                    at_least=0, below=0.5, stages=("dpo",))
+    teacher: str | None = option(None, "distillation: the teacher's run, checkpoint or model dir (required; same "
+                                       "tokenizer, any size)", metavar="DIR", stages=("distill",))
+    alpha: float = option(0.5, "distillation: weight of the labels' cross-entropy; the teacher's KL gets 1 - alpha",
+                          at_least=0, at_most=1, stages=("distill",))
+    temperature: float = option(1.5, "distillation: softmax temperature of teacher and student (KL scaled by T^2)",
+                                above=0, stages=("distill",))
+
+
+@dataclass
 class TrainConfig:
     """Everything a training run is told; what it derives from it (device, steps, model) is written beside it."""
 
@@ -154,6 +190,8 @@ class TrainConfig:
     precision: PrecisionConfig
     run: RunConfig
     eval: EvalOptions
+    lora: LoraOptions
+    objective: ObjectiveOptions
 
     def check(self) -> None:
         """Cross-setting checks that need nothing slow (no data, model or device), so they fail at once."""
@@ -179,12 +217,29 @@ class TrainConfig:
             require_package("tensorboard", "--use_tensorboard")
 
 
+SFT_DEMO = ["dataset/demo/sft_demo.jsonl"]
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
     "pretrain": dict(data_path=["dataset/demo/pretrain_demo.jsonl"], batch_size=32, learning_rate=5e-4),
-    "sft": dict(data_path=["dataset/demo/sft_demo.jsonl"], batch_size=16, learning_rate=5e-5),
+    "sft": dict(data_path=SFT_DEMO, batch_size=16, learning_rate=5e-5),
+    # adapters start at zero and have few parameters: a larger step than full fine-tuning
+    "lora": dict(data_path=SFT_DEMO, batch_size=16, learning_rate=1e-4, lora_rank=16),
+    "dpo": dict(data_path=["dataset/demo/dpo_demo.jsonl"], batch_size=8, learning_rate=5e-6),
+    "distill": dict(data_path=SFT_DEMO, batch_size=16, learning_rate=5e-4),
 }
+
+
+def check_stage(config: TrainConfig, stage: str) -> None:
+    """What a stage needs that its flags cannot default: post-training starts from a trained model."""
+    if stage in ("lora", "dpo") and config.model.init_from is None:
+        script = "train_lora.py" if stage == "lora" else "train_dpo.py"
+        raise ConfigError(f"{script} trains on top of a trained model: pass --init_from out/<run> (an SFT run, or "
+                          "a pretraining run)")
+    if stage == "distill" and config.objective.teacher is None:
+        raise ConfigError("train_distillation.py learns from a teacher: pass --teacher out/<run>")
 
 
 def parse_train_config(stage: str, argv: list[str] | None, description: str | None) -> TrainConfig:
     """The checked TrainConfig of a training script's command line (and --config file)."""
-    return parse_config(TrainConfig, argv, description, stage, STAGE_DEFAULTS[stage])
+    config = parse_config(TrainConfig, argv, description, stage, STAGE_DEFAULTS[stage])
+    check_stage(config, stage)
+    return config

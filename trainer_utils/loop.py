@@ -28,13 +28,14 @@ import torch
 from common.config import RESOLVED_KEY, to_dict
 from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
 from common.files import BEST_NAME, TRAIN_CONFIG_NAME, write_atomic
-from dataset.config import training_data
+from dataset.config import DataConfig, training_data
+from dataset.jsonl import read_records
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
 from model.config import architecture, model_name, reshape_preset
 from model.generate import generate
 from model.inference import DTYPES, read_train_info
-from model.loading import load_state_into, read_state_dict, resolve_model_dir
+from model.loading import load_model, load_state_into, read_state_dict, resolve_model_dir
 from model.memory import MemoryEstimate, estimate_memory, measure_step_peak
 from model.probes import read_probe_file, read_prompt_file, run_probes
 from model.stats import layer_stats
@@ -53,7 +54,7 @@ from .config import DEFAULT_PRESET, ModelOptions, TrainConfig, parse_train_confi
 from .data import StepFeeder, eval_batches
 from .distributed import detect_env, device_for, make_backend
 from .metrics import MetricsLogger, flops_per_token, peak_flops
-from .objectives import Batch, LanguageModeling, Objective
+from .objectives import Batch, Distillation, LanguageModeling, Objective
 from .optim import WarmupCosine, build_optimizer
 from .runtime import (
     Precision,
@@ -138,6 +139,7 @@ class Session:
         if self.max_seq_len > self.model_config.max_position_embeddings:
             raise ConfigError(f"--max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                               f"({self.model_config.max_position_embeddings})")
+        self.teacher_dir = self._check_teacher() if stage == "distill" else None
         # Every rank checks (before any collective exists, so all stop together); only rank 0 deletes.
         if not run.resume and (self.run_dir / "latest").exists():
             if not run.overwrite:
@@ -145,14 +147,39 @@ class Session:
                                   "--overwrite to replace it, or --run_name to start another")
             if self.env.rank == 0:
                 shutil.rmtree(self.run_dir)
-        self.data = training_data(config.data, self.tokenizer, "sft" if stage == "sft" else "pretrain",
-                                  self.max_seq_len, config.optim.batch_size, config.optim.seed,
-                                  log=lambda msg: print(msg, file=sys.stderr))
+        self.kind = data_kind(stage, config.data)
+        self.chat = self.kind != "pretrain"  # samples, probes and the saved checkpoints use the chat template
+        self.data = training_data(config.data, self.tokenizer, self.kind, self.max_seq_len, config.optim.batch_size,
+                                  config.optim.seed, log=lambda msg: print(msg, file=sys.stderr))
         self.train_data, self.val_sets = self.data.train, self.data.val
         if config.eval.early_stopping and not self.val_sets:
             raise ConfigError(f"{' '.join(config.data.data_path)}: no validation documents at --val_fraction "
                               f"{config.data.val_fraction}; early stopping needs some (raise --val_fraction)")
         self.backend: Backend = make_backend(config, self.env, self.device, self.precision)
+
+    def _check_teacher(self) -> Path:
+        """The --teacher model dir, checked to speak the student's tokenizer and cover its context."""
+        teacher = resolve_model_dir(self.config.objective.teacher)
+        if not (teacher / "tokenizer.json").is_file():
+            raise TokenizerError(f"--teacher {teacher}: no tokenizer.json, so it cannot be checked to share the "
+                                 f"student's tokenizer ({self.tokenizer.path})")
+        if Tokenizer(teacher).sha256 != self.tokenizer.sha256:
+            raise TokenizerError(f"--teacher {teacher} uses another tokenizer than the student "
+                                 f"({self.tokenizer.path}); distillation compares distributions token by token, "
+                                 "so they must share one")
+        cfg = ModelConfig.load(teacher / "config.json")
+        if cfg.max_position_embeddings < self.max_seq_len:
+            raise ConfigError(f"--teacher {teacher} covers {cfg.max_position_embeddings} positions, fewer than "
+                              f"--max_seq_len {self.max_seq_len}")
+        return teacher
+
+    def objective(self, device: torch.device) -> Objective:
+        """What this stage minimises, with its frozen helpers on the device."""
+        o = self.config.objective
+        if self.stage == "distill":
+            teacher, _ = load_model(self.teacher_dir, device=device)
+            return Distillation(teacher, o.alpha, o.temperature)
+        return LanguageModeling()
 
     def _resume_precision(self) -> None:
         """A resumed run keeps the precision it fell back to: a requeued job repeating the original command
@@ -223,7 +250,7 @@ class Trainer:
         min_lr = o.min_lr if o.min_lr is not None else o.learning_rate / 10
         self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, self.total_steps)
         # the parameter through which an empty step's gradients are made NaN (see train_step)
-        self.objective: Objective = LanguageModeling()
+        self.objective: Objective = s.objective(self.device)
         self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
         forward_model = torch.compile(self.model) if c.model.compile else self.model
         self.forward_model = self.backend.wrap(forward_model, self.optimizer)
@@ -303,7 +330,9 @@ class Trainer:
                      "rng": rng_state(),
                      "world_size": backend.world_size, "tokenizer_sha256": self.s.tokenizer.sha256,
                      "early_stop": dict(self.best), "config": to_dict(self.config, self.s.stage)}
-            info = {"stage": self.s.stage, "tokens_seen": self.tokens_seen, "val_loss": self.val_loss,
+            # "stage" is how the checkpoint is prompted (raw text or chat), "method" how it was trained
+            info = {"stage": "sft" if self.s.chat else "pretrain", "method": self.s.stage,
+                    "tokens_seen": self.tokens_seen, "val_loss": self.val_loss,
                     "dtype": dtype_name(self.precision.dtype)}
             if self.s.fallbacks:
                 info["precision_fallback"] = self.s.fallbacks
@@ -487,7 +516,7 @@ class Trainer:
         self.logger.log({"step": self.step, "memory_estimated_gb": round(self.memory.peak / 2**30, 4),
                          "memory_measured_gb": round(measured / 2**30, 4)})
         note = ("; the estimate is for batches of --max_seq_len tokens, SFT batches are as long as their longest "
-                "conversation" if self.s.stage == "sft" else "")
+                "conversation" if self.s.kind != "pretrain" else "")
         self.logger.message(self.memory.summary(measured) + note)
 
     def _stats_batch(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -497,7 +526,7 @@ class Trainer:
             return None
         x, _ = next(eval_batches(self.s.val_sets[0].data, 2, 1, 0, 1))
         x = x[:, :1024].to(self.device)
-        if self.s.stage != "sft":
+        if self.s.kind == "pretrain":
             return x, None  # pretraining windows are never padded
         # SFT batches are right-padded: the trailing run of pad ids in each row
         real = (x != self.s.tokenizer.pad_id).flip(1).cumsum(1).flip(1) > 0
@@ -522,7 +551,7 @@ class Trainer:
         s = self.s
         if not self.backend.is_main or not (s.samples or s.probes):
             return
-        tok, chat = s.tokenizer, s.stage == "sft"
+        tok, chat = s.tokenizer, s.chat
         eos = tok.stop_ids(chat)
         prompt_ids = lambda text: tok.prompt_ids(text, chat)  # noqa: E731
         self.model.eval()
@@ -661,6 +690,14 @@ class Trainer:
 
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "logits")
+
+
+def data_kind(stage: str, data: DataConfig) -> str:
+    """The kind of records a stage trains on: distillation takes either, as its first file shows."""
+    if stage != "distill":
+        return {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "dpo": "dpo"}[stage]
+    _, first = next(read_records(data.sources()[0].path, "any", data.skip_bad_lines))
+    return "pretrain" if "text" in first else "sft"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

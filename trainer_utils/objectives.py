@@ -5,6 +5,9 @@ count of the whole optimizer step (all micro-batches, all ranks), so accumulatio
 big batch, and a micro-batch with nothing to learn adds exactly 0.
 
     LanguageModeling  next-token cross-entropy over the target tokens (pretraining, SFT, LoRA); count = tokens
+    Distillation      the labels' cross-entropy mixed with the KL divergence from a frozen teacher's softened
+                      distribution, over the same target tokens; count = tokens
+Frozen helpers (the teacher) belong to the objective; the loop never sees them.
 """
 from __future__ import annotations
 
@@ -66,3 +69,45 @@ class LanguageModeling(Objective):
         # reduction="sum": a micro-batch without targets adds exactly 0 (a mean would be 0/0 = NaN)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return StepOutput(loss)
+
+
+class Distillation(Objective):
+    """alpha * CE(student, labels) + (1 - alpha) * T^2 * KL(softmax(teacher / T) || softmax(student / T)), summed
+    over the target tokens (Hinton et al. 2015; T^2 keeps the soft term's gradients at the scale of the hard one's).
+
+    The teacher runs in eval mode without gradients, under the same autocast, on the same batch. Validation
+    scores the student alone (its cross-entropy on the labels), so held-out losses compare with and without a
+    teacher; the KL is reported beside it.
+    """
+
+    def __init__(self, teacher: torch.nn.Module, alpha: float, temperature: float) -> None:
+        self.teacher = teacher.eval().requires_grad_(False)
+        self.alpha, self.temperature = alpha, temperature
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return (batch[1] != IGNORE_INDEX).sum()
+
+    def parts(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy on the labels, summed KL from the teacher) over the target tokens."""
+        x, y = batch[0], batch[1]
+        with autocast():
+            logits = forward(x)
+            with torch.no_grad():
+                teacher_logits = self.teacher(x)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        t = self.temperature
+        log_student = F.log_softmax(logits.float() / t, dim=-1)
+        log_teacher = F.log_softmax(teacher_logits.float() / t, dim=-1)
+        kl_per_token = (log_teacher.exp() * (log_teacher - log_student)).sum(-1)
+        # a product with the mask, not indexing by it: no host sync to count the targets
+        kl = (kl_per_token * (y != IGNORE_INDEX)).sum()
+        return ce, kl
+
+    def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
+        ce, kl = self.parts(forward, batch, autocast)
+        loss = self.alpha * ce + (1 - self.alpha) * self.temperature ** 2 * kl
+        return StepOutput(loss, {"ce": ce.detach(), "kl": kl.detach()})
+
+    def evaluate(self, model: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
+        ce, kl = self.parts(model, batch, autocast)
+        return StepOutput(ce, {"kl": kl})
