@@ -7,7 +7,9 @@ big batch, and a micro-batch with nothing to learn adds exactly 0.
     LanguageModeling  next-token cross-entropy over the target tokens (pretraining, SFT, LoRA); count = tokens
     Distillation      the labels' cross-entropy mixed with the KL divergence from a frozen teacher's softened
                       distribution, over the same target tokens; count = tokens
-Frozen helpers (the teacher) belong to the objective; the loop never sees them.
+    DPO               direct preference optimisation over (chosen, rejected) pairs, against the reference
+                      model's log-probabilities computed once before training; count = pairs
+Frozen helpers (the teacher, the reference log-probabilities) belong to the objective; the loop never sees them.
 """
 from __future__ import annotations
 
@@ -111,3 +113,47 @@ class Distillation(Objective):
     def evaluate(self, model: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
         ce, kl = self.parts(model, batch, autocast)
         return StepOutput(ce, {"kl": kl})
+
+
+class DPO(Objective):
+    """Direct preference optimisation (Rafailov et al. 2023, eq. 7), with conservative label smoothing (cDPO):
+
+        margin = beta * ((log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected)))
+        loss   = -(1 - eps) * log sigmoid(margin) - eps * log sigmoid(-margin)          per pair
+
+    A batch is (inputs, targets, reference): the B chosen sequences, then the B rejected ones of the same pairs,
+    with targets only on each final answer, and the reference model's summed log-probability of each row's
+    targets. Rewards are beta * (log pi - log ref); the logged metrics average them per pair.
+    """
+
+    unit = "pairs"
+
+    def __init__(self, beta: float, label_smoothing: float = 0.0) -> None:
+        self.beta, self.label_smoothing = beta, label_smoothing
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return torch.tensor(batch[0].shape[0] // 2, device=batch[0].device)
+
+    def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
+        x, y, reference = batch[0], batch[1], batch[2]
+        with autocast():
+            logits = forward(x)
+        policy = token_log_probs(logits, y).sum(-1)  # (2B,): each row's answer
+        b = x.shape[0] // 2
+        chosen = self.beta * (policy[:b] - reference[:b].float())
+        rejected = self.beta * (policy[b:] - reference[b:].float())
+        margin = chosen - rejected
+        eps = self.label_smoothing
+        loss = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
+        metrics = {"reward_accuracy": (margin > 0).float().sum(), "reward_margin": margin.sum(),
+                   "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
+                   "logp_chosen": policy[:b].sum(), "logp_rejected": policy[b:].sum()}
+        return StepOutput(loss.sum(), {k: v.detach() for k, v in metrics.items()})
+
+
+@torch.no_grad()
+def sequence_log_probs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: Autocast) -> torch.Tensor:
+    """Each row's summed log-probability of its targets: what DPO's reference contributes, computed once."""
+    with autocast():
+        logits = model(x)
+    return token_log_probs(logits, y).sum(-1)
