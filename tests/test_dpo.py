@@ -62,8 +62,8 @@ def test_loss_metrics_and_gradient_equal_a_hand_written_reference(beta, eps):
         margin = beta * ((pc - rc) - (pr - rr))
         loss = loss - (1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
         acc += float(margin > 0)
-        margins += float(margin)
-        chosen_rewards += float(beta * (pc - rc))
+        margins += float(margin.detach())
+        chosen_rewards += float(beta * (pc - rc).detach())
     torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=1e-6)
     assert float(out.metrics["reward_accuracy"]) == acc
     assert float(out.metrics["reward_margin"]) == pytest.approx(margins, abs=1e-5)
