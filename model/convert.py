@@ -5,11 +5,29 @@
 
 The export writes safetensors + config.json (+ generation_config.json and tokenizer files) directly, so it
 needs no `transformers` install and the result loads with AutoModelForCausalLM without remote code.
+
+LoRA runs (model/lora.py: adapters + a reference to their base):
+
+    python -m model.convert --checkpoint out/<lora run> --out_dir hf_dir     # the merged model, as above
+    python -m model.convert --merge_lora out/<lora run> --out_dir merged    # a plain PocketLM model dir, merged
+    python -m model.convert --checkpoint out/<lora run> --peft_dir adapters [--base_model hf_base]
+
+--peft_dir writes the adapters alone in the `peft` layout (adapter_config.json + adapter_model.safetensors),
+for the transformers export of their base (the directory lora.json names; the command prints it):
+
+    python -m model.convert --checkpoint <base> --out_dir hf_base
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("hf_base"), "adapters")  # = the LoRA run
+
+--base_model is recorded as base_model_name_or_path (default: none). GPT-2-style models are supported too:
+transformers fuses their q, k and v into one c_attn, so their adapters become one c_attn adapter of rank
+r x (number of q/k/v targets) whose B is block-diagonal, which computes exactly the separate updates
+(rank_pattern and alpha_pattern keep peft's scale at alpha / r).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,14 +36,19 @@ import torch
 from .config import ConfigError, ModelConfig, get_preset
 from .inference import DTYPES
 from .loading import (
+    ADAPTER_WEIGHTS_NAME,
     CONFIG_NAME,
     WEIGHTS_NAME,
     CheckpointError,
     copy_tokenizer_files,
+    is_lora_dir,
     load_model,
     read_state_dict,
+    resolve_model_dir,
+    save_model,
     special_token_ids,
 )
+from .lora import LoraSpec, adapter_shapes, check_lora_state, load_lora_model, read_lora_config
 from .model import PocketLM
 
 # PocketLM's GELU is the tanh approximation; these transformers activation names compute exactly that.
@@ -194,7 +217,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, config: ModelConfig |
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Write a PocketLM model directory from a transformers Llama/GPT-2 directory of matching architecture."""
-    from .loading import load_state_into, save_model
+    from .loading import load_state_into
 
     hf_dir = Path(hf_dir)
     config_path = hf_dir / CONFIG_NAME
@@ -222,28 +245,154 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     return save_model(model, out_dir, tokenizer_dir=hf_dir)
 
 
+# ------------------------------------------------------------------------------ LoRA
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"  # the name of our own adapter file too, but with peft's tensor names
+PEFT_PREFIX = "base_model.model."  # what PeftModel wraps around the transformers model's own names
+# transformers GPT-2 modules the unfused PocketLM projections live in (q, k and v all go into c_attn).
+GPT2_LORA_MODULES = {"q_proj": "attn.c_attn", "k_proj": "attn.c_attn", "v_proj": "attn.c_attn",
+                     "o_proj": "attn.c_proj", "up_proj": "mlp.c_fc", "down_proj": "mlp.c_proj"}
+
+
+def _lora_dir(checkpoint: str | Path, flag: str) -> Path:
+    model_dir = resolve_model_dir(checkpoint)
+    if not is_lora_dir(model_dir):
+        raise CheckpointError(f"{model_dir}: not a LoRA checkpoint (no lora.json beside the weights); {flag} "
+                              "takes a LoRA run or checkpoint directory")
+    return model_dir
+
+
+def merge_lora_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a plain PocketLM model directory holding a LoRA run's base with its adapters merged; return it."""
+    from common.files import TRAIN_INFO_NAME
+
+    model_dir = _lora_dir(checkpoint, "--merge_lora")
+    model = load_lora_model(model_dir, merge=True).to(dtype)  # merged in fp32, rounded once
+    out = save_model(model, out_dir, tokenizer_dir=model_dir)
+    if (model_dir / TRAIN_INFO_NAME).is_file():
+        shutil.copy2(model_dir / TRAIN_INFO_NAME, out / TRAIN_INFO_NAME)
+    return out
+
+
+def to_peft_state(cfg: ModelConfig, spec: LoraSpec, state: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, torch.Tensor], list[str], dict[str, int], dict[str, float]]:
+    """PocketLM adapter tensors -> (peft tensors, target_modules, rank_pattern, alpha_pattern) for the
+    transformers export of a model of `cfg`."""
+    if cfg.style == "llama":  # same module names, under LlamaForCausalLM's "model."
+        return {PEFT_PREFIX + "model." + k: v for k, v in state.items()}, sorted(spec.targets), {}, {}
+    # GPT-2: q, k, v share one fused c_attn (rows q | k | v). Stacking their A's and placing their B's on a block
+    # diagonal gives one adapter of rank n * r whose update is exactly the n separate updates, rows in place.
+    d, r = cfg.hidden_size, spec.rank
+    fused = [t for t in ("q_proj", "k_proj", "v_proj") if t in spec.targets]
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.num_hidden_layers):
+        ours, theirs = f"layers.{i}.", f"{PEFT_PREFIX}transformer.h.{i}."
+        for target in ("o_proj", "up_proj", "down_proj"):
+            if target in spec.targets:
+                module = ("self_attn." if target == "o_proj" else "mlp.") + target
+                for ab in ("lora_A", "lora_B"):
+                    out[f"{theirs}{GPT2_LORA_MODULES[target]}.{ab}.weight"] = state[f"{ours}{module}.{ab}.weight"]
+        if fused:
+            a = torch.cat([state[f"{ours}self_attn.{t}.lora_A.weight"] for t in fused])
+            b = torch.zeros(3 * d, len(fused) * r, dtype=a.dtype)
+            for j, t in enumerate(fused):
+                row = ("q_proj", "k_proj", "v_proj").index(t) * d
+                b[row:row + d, j * r:(j + 1) * r] = state[f"{ours}self_attn.{t}.lora_B.weight"]
+            out[f"{theirs}attn.c_attn.lora_A.weight"] = a
+            out[f"{theirs}attn.c_attn.lora_B.weight"] = b
+    modules = sorted({GPT2_LORA_MODULES[t] for t in spec.targets})
+    # peft's scale is lora_alpha / r per module: grow both for c_attn so alpha / r stays the run's
+    ranks = {"c_attn": len(fused) * r} if len(fused) > 1 else {}
+    alphas = {"c_attn": len(fused) * spec.alpha} if len(fused) > 1 else {}
+    return out, modules, ranks, alphas
+
+
+def export_peft(checkpoint: str | Path, peft_dir: str | Path, base_model: str | None = None,
+                dtype: torch.dtype = torch.float32) -> Path:
+    """Write a LoRA run's adapters as a `peft` adapter directory for the transformers export of its base."""
+    from safetensors.torch import save_file
+
+    model_dir = _lora_dir(checkpoint, "--peft_dir")
+    spec, _ = read_lora_config(model_dir)
+    try:
+        cfg = ModelConfig.load(model_dir / CONFIG_NAME)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    to_hf_config(cfg, dtype, {})  # the base must be exportable (refuses custom styles, GPT-2 with GQA)
+    adapters = model_dir / ADAPTER_WEIGHTS_NAME
+    state = read_state_dict(adapters)
+    check_lora_state(adapter_shapes(cfg, spec), state, str(adapters))
+    tensors, modules, ranks, alphas = to_peft_state(cfg, spec, {k: v.float() for k, v in state.items()})
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
+        "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": modules,
+        "rank_pattern": ranks, "alpha_pattern": alphas, "bias": "none",
+        "fan_in_fan_out": cfg.style == "gpt2",  # GPT-2's Conv1D stores (in, out)
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "revision": None}
+    out = Path(peft_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / PEFT_WEIGHTS_NAME),
+              metadata={"format": "pt"})
+    (out / PEFT_CONFIG_NAME).write_text(json.dumps(peft_config, indent=2) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="PocketLM run dir, model dir, or weights file (.safetensors/.pth)")
+    src.add_argument("--checkpoint", help="PocketLM run dir, model dir, or weights file (.safetensors/.pth); a LoRA "
+                                          "run exports merged")
     src.add_argument("--from_hf", help="transformers Llama or GPT-2 directory to import")
-    p.add_argument("--out_dir", required=True)
+    src.add_argument("--merge_lora", metavar="RUN_OR_DIR",
+                     help="LoRA run or checkpoint: write its merged weights as a plain PocketLM dir to --out_dir")
+    p.add_argument("--out_dir", help="output directory (all modes but --peft_dir)")
+    p.add_argument("--peft_dir", help="with --checkpoint of a LoRA run: write its adapters in the peft layout here "
+                                      "(instead of --out_dir)")
+    p.add_argument("--base_model", help="with --peft_dir: base_model_name_or_path to record (e.g. the transformers "
+                                        "export of the adapters' base)")
     p.add_argument("--preset", help="config for a bare weights file without config.json (e.g. a MiniMind .pth)")
     p.add_argument("--config", help="config.json for a bare weights file")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of exported weights")
     args = p.parse_args(argv)
     try:
+        _check_flags(args)
+        dtype = DTYPES[args.dtype]
         if args.from_hf:
             out = import_hf(args.from_hf, args.out_dir)
             print(f"wrote PocketLM model to {out}")
+        elif args.merge_lora:
+            out = merge_lora_checkpoint(args.merge_lora, args.out_dir, dtype=dtype)
+            print(f"wrote merged PocketLM model to {out}")
+        elif args.peft_dir:
+            out = export_peft(args.checkpoint, args.peft_dir, base_model=args.base_model, dtype=dtype)
+            _, base = read_lora_config(resolve_model_dir(args.checkpoint))
+            print(f"wrote peft adapters to {out}; their base is {base['path']} (export it with --checkpoint "
+                  "<base> --out_dir, then load with PeftModel.from_pretrained)")
         else:
             config = get_preset(args.preset) if args.preset else ModelConfig.load(args.config) if args.config else None
-            out = export_hf(args.checkpoint, args.out_dir, config=config, dtype=DTYPES[args.dtype])
+            out = export_hf(args.checkpoint, args.out_dir, config=config, dtype=dtype)
             print(f"wrote transformers model to {out} (load with AutoModelForCausalLM.from_pretrained)")
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Combinations argparse cannot express, refused with one line each."""
+    if args.peft_dir:
+        if not args.checkpoint:
+            raise ConfigError("--peft_dir needs --checkpoint (a LoRA run)")
+        if args.out_dir:
+            raise ConfigError("--peft_dir writes the adapters alone, --out_dir a whole model; give one of them "
+                              "(export the adapters' base with its own --checkpoint ... --out_dir)")
+    elif not args.out_dir:
+        raise ConfigError("--out_dir is required (or --peft_dir with a LoRA --checkpoint)")
+    if args.base_model and not args.peft_dir:
+        raise ConfigError("--base_model applies to --peft_dir only")
+    if (args.preset or args.config) and (args.merge_lora or args.peft_dir):
+        raise ConfigError("--preset and --config apply to bare weights files; a LoRA run brings its config.json")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Save and load finished models for inference: weights (safetensors) + config.json + tokenizer files.
 
 A model directory holds `model.safetensors`, `config.json` (a PocketLM ModelConfig) and, when known, the
-tokenizer files. A run directory (`out/<run>`) points at its newest model directory through a `latest` file.
-Single weight files (.safetensors, or MiniMind-style .pth state dicts) load too, with a config beside them or
-given explicitly. Every failure raises CheckpointError with a one-line message naming the file.
+tokenizer files. A LoRA checkpoint directory holds `adapter_model.safetensors` and `lora.json` instead of the
+weights (model/lora.py); load_model merges its adapters into the base it names, so every reader of models takes
+LoRA runs as they are. A run directory (`out/<run>`) points at its newest model directory through a `latest`
+file. Single weight files (.safetensors, or MiniMind-style .pth state dicts) load too, with a config beside them
+or given explicitly. Every failure raises CheckpointError with a one-line message naming the file.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from .model import PocketLM
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# A LoRA checkpoint's files (model/lora.py), named here so that run directories resolve without importing it.
+LORA_CONFIG_NAME = "lora.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's file name, though with PocketLM's tensor names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # Prefixes other tools wrap around parameter names: DDP, torch.compile, HF/MiniMind's inner `model.`.
 STRIP_PREFIXES = ("module.", "_orig_mod.", "model.")
@@ -40,6 +45,10 @@ def save_model(model: PocketLM, out_dir: str | Path, tokenizer_dir: str | Path |
     """Write weights + config (+ tokenizer files) into out_dir. Callers wanting atomicity write to a temp dir."""
     from safetensors.torch import save_file
 
+    from .lora import has_lora
+    if has_lora(model):  # its tensors would be named "q_proj.base.weight": a file no plain model loads
+        raise CheckpointError("save_model: the model has LoRA adapters; save them with model.lora.save_lora, or "
+                              "merge them first with model.lora.merge_lora")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -52,6 +61,12 @@ def save_model(model: PocketLM, out_dir: str | Path, tokenizer_dir: str | Path |
     return out
 
 
+def is_lora_dir(path: str | Path) -> bool:
+    """Whether `path` is a LoRA checkpoint directory (adapters + lora.json, no model.safetensors)."""
+    path = Path(path)
+    return path.is_dir() and (path / LORA_CONFIG_NAME).is_file() and not (path / WEIGHTS_NAME).is_file()
+
+
 def resolve_model_dir(path: str | Path) -> Path:
     """The model directory `path` names: itself, or where a run directory's `latest` pointer (or the pointer
     file given directly, e.g. out/<run>/best) points."""
@@ -59,10 +74,11 @@ def resolve_model_dir(path: str | Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     pointer = path if path.is_file() and path.name in (LATEST_NAME, BEST_NAME) else path / LATEST_NAME
-    if not (path / WEIGHTS_NAME).exists() and pointer.is_file():
+    if not (path / WEIGHTS_NAME).exists() and not is_lora_dir(path) and pointer.is_file():
         target = pointer.parent / pointer.read_text().strip()
-        if not (target / WEIGHTS_NAME).is_file():
-            raise CheckpointError(f"{pointer}: points at {target}, which holds no {WEIGHTS_NAME}")
+        if not (target / WEIGHTS_NAME).is_file() and not is_lora_dir(target):
+            raise CheckpointError(f"{pointer}: points at {target}, which holds no {WEIGHTS_NAME} (nor a LoRA "
+                                  f"{LORA_CONFIG_NAME})")
         return target
     return path
 
@@ -130,9 +146,16 @@ def load_model(path: str | Path, config: ModelConfig | None = None, device: torc
                dtype: torch.dtype | None = None) -> tuple[PocketLM, Path]:
     """Load a model from a run dir, a model dir, or a weights file; return (model in eval mode, its dir).
 
-    The config comes from `config` if given, else from config.json next to the weights.
+    The config comes from `config` if given, else from config.json next to the weights. A LoRA checkpoint
+    loads as its base with the adapters merged (model.lora.load_lora_model).
     """
     path = resolve_model_dir(path)
+    if is_lora_dir(path):
+        if config is not None:
+            raise CheckpointError(f"{path}: a LoRA checkpoint brings its own config.json; load it without a "
+                                  "preset or config")
+        from .lora import load_lora_model
+        return load_lora_model(path, device=device, dtype=dtype, merge=True), path
     weights = path / WEIGHTS_NAME if path.is_dir() else path
     model_dir = weights.parent
     if path.is_dir() and not weights.is_file():

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -60,14 +60,19 @@ def new_staging_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_state: dict[str, Any] | None,
-                    info: dict[str, Any], tokenizer_dir: Path | None, keep_last: int = 3) -> Path:
+                    info: dict[str, Any], tokenizer_dir: Path | None, keep_last: int = 3,
+                    write_model: Callable[[Path], Any] | None = None) -> Path:
     """Complete checkpoint `step` in its staging_dir (which may already hold other ranks' files), rename it into
-    place atomically and point `latest` at it; return its directory."""
+    place atomically and point `latest` at it; return its directory. `write_model(dir)` replaces the default
+    save_model (LoRA runs write their adapters only)."""
     final = checkpoint_dir(run_dir, step)
     tmp = staging_dir(run_dir, step)
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        save_model(model, tmp, tokenizer_dir=tokenizer_dir)
+        if write_model is not None:
+            write_model(tmp)
+        else:
+            save_model(model, tmp, tokenizer_dir=tokenizer_dir)
         (tmp / TRAIN_INFO_NAME).write_text(json.dumps({**info, "step": step}, indent=2) + "\n")
         if training_state is not None:
             torch.save(training_state, tmp / STATE_NAME)

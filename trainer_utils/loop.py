@@ -35,7 +35,24 @@ from model import ModelConfig, PocketLM
 from model.config import architecture, model_name, reshape_preset
 from model.generate import generate
 from model.inference import DTYPES, read_train_info
-from model.loading import load_model, load_state_into, read_state_dict, resolve_model_dir
+from model.loading import (
+    ADAPTER_WEIGHTS_NAME,
+    WEIGHTS_NAME,
+    is_lora_dir,
+    load_model,
+    load_state_into,
+    read_state_dict,
+    resolve_model_dir,
+)
+from model.lora import (
+    LoraSpec,
+    apply_lora,
+    base_reference,
+    load_lora_model,
+    load_lora_state_dict,
+    read_lora_config,
+    save_lora,
+)
 from model.memory import MemoryEstimate, estimate_memory, measure_step_peak
 from model.probes import read_probe_file, read_prompt_file, run_probes
 from model.stats import layer_stats
@@ -50,7 +67,7 @@ from .checkpoint import (
     save_checkpoint,
     staging_dir,
 )
-from .config import DEFAULT_PRESET, ModelOptions, TrainConfig, parse_train_config
+from .config import ADAPTED, DEFAULT_PRESET, ModelOptions, TrainConfig, parse_train_config
 from .data import StepFeeder, eval_batches
 from .distributed import detect_env, device_for, make_backend
 from .metrics import MetricsLogger, flops_per_token, peak_flops
@@ -140,6 +157,7 @@ class Session:
             raise ConfigError(f"--max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                               f"({self.model_config.max_position_embeddings})")
         self.teacher_dir = self._check_teacher() if stage == "distill" else None
+        self.lora, self.base_ref = self._lora()
         # Every rank checks (before any collective exists, so all stop together); only rank 0 deletes.
         if not run.resume and (self.run_dir / "latest").exists():
             if not run.overwrite:
@@ -221,10 +239,34 @@ class Session:
             return init_config
         return new_model_config(m, self.tokenizer.vocab_size)
 
+    def _lora(self) -> tuple[LoraSpec | None, dict[str, str] | None]:
+        """The adapters to train (None: every weight) and the base they adapt: the --init_from model, or on
+        resume the one the run's checkpoint names (checked by its hash when loaded)."""
+        o = self.config.lora
+        if self.stage not in ADAPTED or o.lora_rank == 0:
+            return None, None
+        spec = LoraSpec(o.lora_rank, o.lora_alpha, tuple(o.lora_targets), o.lora_dropout)
+        spec.validate()
+        if self.resume_from is None:
+            return spec, base_reference(self.init_dir)
+        saved, base = read_lora_config(self.resume_from)
+        if saved != spec:
+            raise ConfigError(f"--lora_* describe other adapters ({spec}) than the run being resumed has ({saved}); "
+                              "drop them, or start a new run")
+        return saved, base
+
     def build_model(self) -> PocketLM:
+        """The model to train: new, or the --init_from weights (a LoRA run's merged in), with adapters when
+        training LoRA; on resume, the weights come from the checkpoint afterwards (the base here, for LoRA)."""
+        if self.lora is not None and self.resume_from is not None:
+            return load_lora_model(self.resume_from, merge=False)
         model = PocketLM(self.model_config)
         if self.init_dir is not None and self.resume_from is None:
-            load_state_into(model, read_state_dict(self.init_dir / "model.safetensors"), str(self.init_dir))
+            init = self.init_dir
+            state = load_model(init)[0].state_dict() if is_lora_dir(init) else read_state_dict(init / WEIGHTS_NAME)
+            load_state_into(model, state, str(init))
+        if self.lora is not None:
+            apply_lora(model, self.lora)
         return model
 
 
@@ -297,7 +339,10 @@ class Trainer:
     # ------------------------------------------------------------------------- state
     def _restore(self, ckpt: Path) -> None:
         state = load_training_state(ckpt)
-        load_state_into(self.model, read_state_dict(ckpt / "model.safetensors"), str(ckpt))
+        if self.s.lora is not None:  # the base is already in place (build_model), checked against its hash
+            load_lora_state_dict(self.model, read_state_dict(ckpt / ADAPTER_WEIGHTS_NAME), str(ckpt))
+        else:
+            load_state_into(self.model, read_state_dict(ckpt / WEIGHTS_NAME), str(ckpt))
         if state.get("tokenizer_sha256") not in (None, self.s.tokenizer.sha256):
             raise TokenizerError(f"{ckpt}: trained with another tokenizer (sha256 {state['tokenizer_sha256'][:12]}"
                                  f"), not {self.s.tokenizer.path}")
@@ -336,8 +381,10 @@ class Trainer:
                     "dtype": dtype_name(self.precision.dtype)}
             if self.s.fallbacks:
                 info["precision_fallback"] = self.s.fallbacks
+            write = None if self.s.lora is None else \
+                lambda d: save_lora(self.model, d, self.s.lora, self.s.base_ref, self.s.tokenizer.path)
             save_checkpoint(self.s.run_dir, self.step, self.model, state, info, self.s.tokenizer.path,
-                            self.config.run.keep_last)
+                            self.config.run.keep_last, write)
         backend.barrier()
         self.last_saved = self.step
 
@@ -501,8 +548,8 @@ class Trainer:
         """python -m model --estimate for this run (printed at the start), or None where it does not apply."""
         c = self.config
         if self.backend.name == "deepspeed" or c.optim.optimizer != "adamw" or c.model.compile or \
-                self.model.config.dropout > 0:
-            return None  # the formula is eager PyTorch with AdamW, unsharded, without dropout masks
+                self.model.config.dropout > 0 or self.s.lora is not None:
+            return None  # the formula is eager PyTorch with AdamW on every weight, unsharded, without dropout
         o, cfg = self.config.optim, self.model.config
         return estimate_memory(cfg, o.batch_size, self.s.max_seq_len, self.precision.dtype,
                                self.config.model.grad_checkpointing, o.accumulation_steps, name=model_name(cfg))
