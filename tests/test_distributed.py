@@ -1,6 +1,7 @@
 """Real multi-process runs on CPU (gloo): DDP parity, cross-world-size resume, dead ranks, DeepSpeed ZeRO-2."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -35,13 +36,13 @@ def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return res
 
 
-def torchrun(n: int, script_args: list[str]) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--standalone",
-                "train_pretrain.py", *script_args])
+def torchrun(n: int, script_args: list[str], script: str = "train_pretrain.py") -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--standalone", script,
+                *script_args])
 
 
-def single(script_args: list[str]) -> subprocess.CompletedProcess:
-    return run([sys.executable, "train_pretrain.py", *script_args])
+def single(script_args: list[str], script: str = "train_pretrain.py") -> subprocess.CompletedProcess:
+    return run([sys.executable, script, *script_args])
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -129,6 +130,26 @@ def test_deepspeed_zero2_trains_checkpoints_resumes_and_tracks_ddp(corpus, tmp_p
     assert "step 9: val_loss" in res.stderr
     steps = [m["step"] for m in read_metrics(tmp_path / "ds")]
     assert steps == list(range(1, 10))
+
+
+def test_lora_and_distillation_under_ddp_and_deepspeed(corpus, tmp_path):
+    """Post-training on every backend: LoRA (frozen base, adapters only in the optimizer) on two DDP ranks
+    follows one process; under DeepSpeed ZeRO-2 it trains and its checkpoint loads; distillation runs on DDP."""
+    single(args(corpus, tmp_path, "base"))
+    post = dict(data_path=corpus["sft"], init_from=tmp_path / "base", preset=None)
+    # SFT batches are length-grouped by micro-batch size: one process with 2 micro-batches of 4 = 2 ranks of 4
+    single(args(corpus, tmp_path, "single", batch_size=4, accumulation_steps=2, **post), "train_lora.py")
+    torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, **post), "train_lora.py")
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    if importlib.util.find_spec("deepspeed") is not None:
+        ds = ["--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"]
+        torchrun(2, args(corpus, tmp_path, "ds", batch_size=4, **post) + ds, "train_lora.py")
+        assert (tmp_path / "ds/checkpoints/step_00000006/lora.json").is_file()
+        load_model(tmp_path / "ds")
+    res = torchrun(2, args(corpus, tmp_path, "distill", batch_size=4, teacher=tmp_path / "base"),
+                   "train_distillation.py")
+    assert '"world_size": 2' in res.stderr and len(losses(tmp_path / "distill")) == 6
 
 
 def test_deepspeed_launcher_and_plain_python(corpus, tmp_path):
