@@ -4,9 +4,21 @@ A cache lives next to the data (`<data>.pocketlm-cache/<kind>-<key>/`, or under 
 split ("train", "val"):
     <split>.bin   token ids, uint16 (uint32 when the vocabulary exceeds 65536)
     <split>.idx   uint64 offsets: document d is tokens [idx[d], idx[d+1])
-    <split>.lbl   (SFT only) uint8, 1 where the token is a training target
+    <split>.lbl   (SFT, DPO) uint8, 1 where the token is a training target
+    <split>.seg   (DPO only) uint32 rows (prompt, chosen, rejected): the token counts of pair d's three parts
 and meta.json, written last. The key hashes the tokenizer and the settings; meta.json records the source
 file's size, mtime and sha256, so a changed file or tokenizer rebuilds and an unchanged one is reused at once.
+
+A DPO pair is stored once as its shared prompt followed by both answers: document d is
+    prompt | chosen answer | rejected answer
+where the prompt is the template's ids of every turn before the last, and each answer is the ids of its final
+assistant turn, header to trailing newline, exactly as `Tokenizer.encode_chat` renders the whole conversation
+(so row "prompt + answer" is the very sequence SFT would train on). Label flags mark only the final answer's
+content and its <|im_end|>; earlier assistant turns in the prompt are context. A pair is too long when prompt +
+its longer answer exceeds max_seq_len + 1 tokens. overlong="drop" drops it; "truncate" first drops the oldest
+prompt turns (the prompt then starts at a later user turn, always keeping the last one), then cuts the answers'
+ends to fit; a pair that would keep no answer token, or whose cut answers became identical, is dropped. Both
+count in meta.json's stats ("truncated", "dropped_too_long").
 
 Preparation streams: the main process reads raw lines and hands bounded chunks to worker processes, which
 parse, validate and tokenize; at most a few chunks are in flight, so memory does not grow with the corpus.
@@ -110,9 +122,10 @@ class Encoded:
     linenos: np.ndarray  # (D,) source line of each kept document
     lengths: np.ndarray  # (D,) tokens per document
     ids: np.ndarray  # concatenated tokens
-    labels: np.ndarray | None  # SFT: concatenated 0/1 target flags
+    labels: np.ndarray | None  # SFT, DPO: concatenated 0/1 target flags
     errors: list[tuple[int, str]]  # (lineno, reason) of bad lines
     stats: dict[str, int]  # kind-specific counters (e.g. truncated conversations)
+    segments: np.ndarray | None = None  # DPO: (D, 3) token counts of prompt, chosen and rejected answer
 
 
 def encode_pretrain_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
@@ -161,8 +174,68 @@ def encode_sft_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
                    errors, stats)
 
 
+def fit_pair(prompt_ends: list[int], roles: list[str], answers: list[list[int]], labels: list[list[bool]],
+             limit: int) -> tuple[int, list[list[int]], list[list[bool]]] | None:
+    """Make a preference pair fit in `limit` tokens (see the module docstring): (tokens cut from the prompt's
+    start, the answers, their flags), or None when it cannot be kept.
+
+    prompt_ends[i] is the prompt's length after its turn i (turns are encoded independently, so dropping the
+    first turns drops exactly their tokens); roles are the prompt turns' roles.
+    """
+    prompt_len = prompt_ends[-1]
+    # Where the kept prompt may start: its beginning, or any later user turn (never mid-exchange).
+    starts = [0] + [prompt_ends[i - 1] for i, role in enumerate(roles) if role == "user" and i > 0]
+    longest = max(len(a) for a in answers)
+    cut = next((s for s in starts if prompt_len - s + longest <= limit), starts[-1])
+    room = limit - (prompt_len - cut)
+    if room >= longest:
+        return cut, answers, labels
+    answers, labels = [a[:room] for a in answers], [f[:room] for f in labels]
+    if not all(any(f) for f in labels) or answers[0] == answers[1]:
+        return None  # nothing left to learn from, or nothing left to prefer
+    return cut, answers, labels
+
+
+def encode_dpo_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
+    tok: Tokenizer = _WORKER["tok"]
+    limit = _WORKER["settings"]["max_seq_len"] + 1  # inputs and shifted targets share one extra token
+    drop_overlong = _WORKER["settings"]["overlong"] == "drop"
+    linenos, docs, flags, segments, errors = [], [], [], [], []
+    stats = {"truncated": 0, "dropped_too_long": 0}
+    for lineno, raw in lines:
+        try:
+            record = parse_line(raw, "dpo")
+        except ValueError as e:
+            errors.append((lineno, str(e)))
+            continue
+        # Each whole conversation through encode_chat, so every row is exactly what SFT would train on. The
+        # prompt turns are identical (validated) and encoded turn by turn, so their ids are the same in both.
+        encoded = [tok.encode_chat(record[name]) for name in ("chosen", "rejected")]
+        turn_ends = encoded[0][2]
+        start = turn_ends[-2]  # the prompt's length: every turn before the answer
+        prompt = encoded[0][0][:start]
+        answers = [ids[start:] for ids, _, _ in encoded]
+        labels = [labelled[start:] for _, labelled, _ in encoded]  # earlier assistant turns are context only
+        if start + max(len(a) for a in answers) > limit:
+            fitted = None if drop_overlong else fit_pair(
+                turn_ends[:-1], [t["role"] for t in record["chosen"][:-1]], answers, labels, limit)
+            if fitted is None:
+                stats["dropped_too_long"] += 1
+                continue
+            stats["truncated"] += 1
+            cut, answers, labels = fitted
+            prompt = prompt[cut:]
+        linenos.append(lineno)
+        docs.append(prompt + answers[0] + answers[1])
+        flags.append([False] * len(prompt) + labels[0] + labels[1])
+        segments.append((len(prompt), len(answers[0]), len(answers[1])))
+    return Encoded(np.asarray(linenos, dtype=np.int64), np.asarray([len(d) for d in docs], dtype=np.int64),
+                   concat_ids(docs, token_dtype(tok.vocab_size)), concat_ids(flags, np.dtype(np.uint8)),
+                   errors, stats, np.asarray(segments, dtype=np.int64).reshape(-1, 3))
+
+
 ENCODERS: dict[str, Callable[[list[tuple[int, bytes]]], Encoded]] = {
-    "pretrain": encode_pretrain_chunk, "sft": encode_sft_chunk}
+    "pretrain": encode_pretrain_chunk, "sft": encode_sft_chunk, "dpo": encode_dpo_chunk}
 
 
 # ------------------------------------------------------------------------------ caches
@@ -185,6 +258,10 @@ class TokenCache:
 
     def labels(self, split: str) -> np.ndarray:
         return self._array(split, "lbl", np.uint8)
+
+    def segments(self, split: str) -> np.ndarray:
+        """DPO: (pairs, 3) token counts of each pair's prompt, chosen answer and rejected answer."""
+        return self._array(split, "seg", np.uint32).reshape(-1, 3)
 
     def _array(self, split: str, ext: str, dtype: np.dtype) -> np.ndarray:
         file = self.path / f"{split}.{ext}"
@@ -243,8 +320,9 @@ def prepare(data_path: str | Path, tokenizer: Tokenizer, kind: str = "pretrain",
             log: Callable[[str], None] = print, **settings: Any) -> TokenCache:
     """Return the token cache for data_path, building it if missing or stale.
 
-    kind "pretrain" reads {"text"} records; kind "sft" reads {"conversations"} and needs settings
-    max_seq_len and overlong ("truncate" | "drop"). Bad lines raise DataError unless skip_bad_lines.
+    kind "pretrain" reads {"text"} records; kind "sft" reads {"conversations"} and kind "dpo" reads
+    {"chosen", "rejected"} pairs, both needing settings max_seq_len and overlong ("truncate" | "drop"). Bad
+    lines raise DataError unless skip_bad_lines.
     `seed` seeds the document-level validation split; it is part of the cache key.
     """
     if kind not in ENCODERS:
@@ -284,7 +362,7 @@ def _build(source: Path, tokenizer: Tokenizer, kind: str, settings: dict[str, An
     t0 = time.time()
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
-    exts = ("bin", "idx", "lbl") if kind == "sft" else ("bin", "idx")
+    exts = {"pretrain": ("bin", "idx"), "sft": ("bin", "idx", "lbl"), "dpo": ("bin", "idx", "lbl", "seg")}[kind]
     files = {(s, e): open(tmp / f"{s}.{e}", "wb") for s in SPLITS for e in exts}
     offsets = {s: [np.zeros(1, dtype=np.uint64)] for s in SPLITS}
     totals = {s: 0 for s in SPLITS}
@@ -319,6 +397,8 @@ def _build(source: Path, tokenizer: Tokenizer, kind: str, settings: dict[str, An
                 enc.ids[sel].tofile(files[(split, "bin")])
                 if enc.labels is not None:
                     enc.labels[sel].tofile(files[(split, "lbl")])
+                if enc.segments is not None:
+                    enc.segments[mask].astype(np.uint32).tofile(files[(split, "seg")])
                 offsets[split].append(totals[split] + np.cumsum(enc.lengths[mask]).astype(np.uint64))
                 totals[split] += int(enc.lengths[mask].sum())
             bar.update(nbytes)

@@ -18,6 +18,7 @@ from .cache import DEFAULT_SPLIT_SEED, TokenCache, prepare
 from .datasets import PretrainDataset, SFTDataset
 from .jsonl import DataError
 from .mixture import Mixture
+from .preference import PreferenceDataset
 from .tokenizer import Tokenizer
 
 
@@ -67,7 +68,8 @@ class DataConfig:
     skip_bad_lines: bool = option(False, "skip and count malformed lines instead of stopping at the first")
     overlong: Literal["truncate", "drop"] = option(
         "truncate", "conversations over max_seq_len: cut after the last whole assistant turn that fits, or "
-                    "drop", stages=("sft",))
+                    "drop (DPO pairs: drop the oldest prompt turns, then cut the answers' ends)",
+        stages=("sft", "lora", "dpo", "distill"))
 
 
     def sources(self) -> list[DataSource]:
@@ -89,9 +91,9 @@ class DataConfig:
 def prepare_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len: int,
                  log: Callable[[str], None] = print) -> list[tuple[DataSource, TokenCache]]:
     """The token cache of each --data_path file (built if missing or stale). Pretraining caches do not depend
-    on the context length (windows are cut at read time); SFT caches do, since overlong conversations are cut
+    on the context length (windows are cut at read time); SFT and DPO caches do, since overlong examples are cut
     or dropped while tokenizing."""
-    extra = {"max_seq_len": max_seq_len, "overlong": data.overlong} if kind == "sft" else {}
+    extra = {"max_seq_len": max_seq_len, "overlong": data.overlong} if kind in ("sft", "dpo") else {}
     return [(source, prepare(source.path, tokenizer, kind, data.val_fraction, data.split_seed, data.num_workers,
                              data.skip_bad_lines, data.cache_dir, log=log, **extra))
             for source in data.sources()]
@@ -103,7 +105,7 @@ class ValSet:
 
     name: str
     weight: float
-    data: Any  # PretrainDataset | SFTDataset
+    data: Any  # PretrainDataset | SFTDataset | PreferenceDataset
 
 
 @dataclass
@@ -111,7 +113,7 @@ class TrainingData:
     """What the trainer reads: one training order (a Mixture when there are several files), and each file's
     validation split (none when it has no validation documents)."""
 
-    train: Any  # PretrainDataset | SFTDataset | Mixture
+    train: Any  # PretrainDataset | SFTDataset | PreferenceDataset | Mixture
     val: list[ValSet]
     sources: list[dict[str, Any]]  # path, weight (normalised) and training samples of each file
 
@@ -126,6 +128,8 @@ def training_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len
     def make(cache: TokenCache, split: str) -> Any:
         if kind == "sft":
             return SFTDataset(cache, split, batch_size, seed, tokenizer.pad_id)
+        if kind == "dpo":
+            return PreferenceDataset(cache, split, batch_size, seed, tokenizer.pad_id)
         return PretrainDataset(cache, split, max_seq_len, seed)
 
     prepared = prepare_data(data, tokenizer, kind, max_seq_len, log)
@@ -146,9 +150,10 @@ def training_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len
             continue
         if len(v):
             val.append(ValSet(name, weight, v))
-    # one source: its own order, exactly as without mixing; several: drawn by weight (SFT in whole batches)
-    train = parts[0] if len(parts) == 1 else Mixture(parts, weights, batch_size if kind == "sft" else 1, seed,
-                                                     names)
+    # one source: its own order, exactly as without mixing; several: drawn by weight (SFT and DPO in whole
+    # batches, so each batch comes from one file)
+    unit = batch_size if kind in ("sft", "dpo") else 1
+    train = parts[0] if len(parts) == 1 else Mixture(parts, weights, unit, seed, names)
     info = [{"path": s.path, "name": n, "weight": round(w, 6), "train_samples": len(p)}
             for s, n, w, p in zip(sources, names, weights, parts)]
     return TrainingData(train, val, info)
@@ -164,9 +169,10 @@ class CacheTarget:
     """What the prepared cache is for."""
 
     title: ClassVar[str] = "cache"
-    kind: Literal["pretrain", "sft"] = option("pretrain", "pretraining text ({\"text\"}) or SFT conversations")
+    kind: Literal["pretrain", "sft", "dpo"] = option("pretrain", "pretraining text ({\"text\"}), SFT conversations "
+                                                             "or DPO preference pairs")
     # The SFT cache depends on the context; 512 is the default presets' (the trainer's --max_seq_len default).
-    max_seq_len: int = option(512, "SFT only: conversations longer than this are cut or dropped (pass the "
+    max_seq_len: int = option(512, "SFT and DPO: conversations longer than this are cut or dropped (pass the "
                                    "--max_seq_len you will train with)", at_least=1)
 
 

@@ -86,6 +86,32 @@ class PretrainDataset(GlobalOrder):
         return rows[:, :-1], rows[:, 1:]
 
 
+def whole_batches(num_examples: int, batch_size: int) -> int:
+    """Samples per epoch of a length-grouped dataset: whole batches only, so batch k of the global order always
+    starts at a multiple of batch_size (also across epochs); at least one batch."""
+    return max(batch_size, num_examples - num_examples % batch_size)
+
+
+def length_grouped_order(rng: np.random.Generator, lengths: np.ndarray, batch_size: int, group_size: int,
+                         count: int) -> np.ndarray:
+    """One epoch's order of `count` examples in batches of similar length (see SFTDataset).
+
+    Shuffles the examples, sorts them by length within mega-batches of `group_size` batches, cuts those into
+    batches and shuffles the batches.
+    """
+    order = rng.permutation(len(lengths))
+    if len(order) < batch_size:  # fewer examples than one batch: repeat them to fill it
+        order = np.resize(order, batch_size)
+    order = order[:count]
+    mega = batch_size * group_size
+    batches = []
+    for start in range(0, len(order), mega):
+        group = order[start:start + mega]
+        group = group[np.argsort(-lengths[group], kind="stable")]
+        batches.extend(group[i:i + batch_size] for i in range(0, len(group), batch_size))
+    return np.concatenate([batches[i] for i in rng.permutation(len(batches))])
+
+
 class SFTDataset(GlobalOrder):
     """Tokenized conversations with assistant-only targets, batched by similar length to waste little padding.
 
@@ -112,21 +138,11 @@ class SFTDataset(GlobalOrder):
     def __len__(self) -> int:
         # Whole batches only, so batch k of the global order always starts at a multiple of batch_size
         # (also across epochs). The few left-over conversations differ from epoch to epoch.
-        return max(self.batch_size, len(self.lengths) - len(self.lengths) % self.batch_size)
+        return whole_batches(len(self.lengths), self.batch_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.lengths))
-        if len(order) < self.batch_size:  # fewer conversations than one batch: repeat them to fill it
-            order = np.resize(order, self.batch_size)
-        order = order[: len(self)]
-        mega = self.batch_size * self.group_size
-        batches = []
-        for start in range(0, len(order), mega):
-            group = order[start:start + mega]
-            group = group[np.argsort(-self.lengths[group], kind="stable")]
-            batches.extend(group[i:i + self.batch_size] for i in range(0, len(group), self.batch_size))
-        return np.concatenate([batches[i] for i in rng.permutation(len(batches))])
+        return length_grouped_order(np.random.default_rng([self.seed, epoch]), self.lengths, self.batch_size,
+                                    self.group_size, len(self))
 
     def input_tokens(self, indices: np.ndarray) -> int:
         """Non-padding input positions of batch(indices): each conversation but its last token."""

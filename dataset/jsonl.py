@@ -85,7 +85,8 @@ def iter_raw_lines(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTE
 
 
 def parse_line(raw: bytes, kind: str) -> dict[str, Any]:
-    """Decode and validate one line as a record of `kind` ("text" or "conversations"); raise ValueError."""
+    """Decode and validate one line as a record of `kind` ("text", "conversations", "dpo" or "any"); raise
+    ValueError."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -100,6 +101,8 @@ def parse_line(raw: bytes, kind: str) -> dict[str, Any]:
         validate_text(record)
     elif kind == "conversations":
         validate_conversations(record)
+    elif kind == "dpo":
+        validate_preference(record)
     elif kind == "any":
         if "text" in record:
             validate_text(record)
@@ -121,23 +124,62 @@ def validate_text(record: dict[str, Any]) -> None:
         raise ValueError('empty "text"')
 
 
+def validate_messages(messages: Any, name: str, where: str = "") -> None:
+    """A non-empty list of {"role", "content"} turns with known roles and string content.
+
+    `where` prefixes the per-turn messages (e.g. '"chosen" '), so a preference pair names the list at fault.
+    """
+    if not isinstance(messages, list):
+        raise ValueError(f'"{name}" must be a list, got {type(messages).__name__}')
+    if not messages:
+        raise ValueError(f'empty "{name}"')
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict):
+            raise ValueError(f"{where}turn {i} must be an object, got {type(turn).__name__}")
+        if turn.get("role") not in ROLES:
+            raise ValueError(f"{where}turn {i} has unknown role {turn.get('role')!r}; expected one of {ROLES}")
+        if not isinstance(turn.get("content"), str):
+            raise ValueError(f'{where}turn {i} "content" must be a string, got {type(turn.get("content")).__name__}')
+
+
 def validate_conversations(record: dict[str, Any]) -> None:
     conv = record.get("conversations")
     if conv is None:
         raise ValueError(f'missing "conversations" field (keys: {sorted(record)[:5]})')
-    if not isinstance(conv, list):
-        raise ValueError(f'"conversations" must be a list, got {type(conv).__name__}')
-    if not conv:
-        raise ValueError('empty "conversations"')
-    for i, turn in enumerate(conv):
-        if not isinstance(turn, dict):
-            raise ValueError(f"turn {i} must be an object, got {type(turn).__name__}")
-        if turn.get("role") not in ROLES:
-            raise ValueError(f"turn {i} has unknown role {turn.get('role')!r}; expected one of {ROLES}")
-        if not isinstance(turn.get("content"), str):
-            raise ValueError(f'turn {i} "content" must be a string, got {type(turn.get("content")).__name__}')
+    validate_messages(conv, "conversations")
     if not any(t["role"] == "assistant" for t in conv):
         raise ValueError("conversation has no assistant turn (nothing to learn from)")
+
+
+def validate_preference(record: dict[str, Any]) -> None:
+    """A DPO pair (MiniMind's format): "chosen" and "rejected" message lists that share every turn but the
+    last (the prompt, with at least one user turn) and end in two different, non-empty assistant answers.
+
+    Turns are compared as the chat template renders them (content trimmed), so a pair that differs only in
+    surrounding whitespace is one prompt, and two answers equal after trimming are identical.
+    """
+    for name in ("chosen", "rejected"):
+        if name not in record:
+            raise ValueError(f'missing "{name}" field (keys: {sorted(record)[:5]})')
+    for name in ("chosen", "rejected"):
+        messages = record[name]
+        validate_messages(messages, name, f'"{name}" ')
+        if messages[-1]["role"] != "assistant":
+            raise ValueError(f'"{name}" does not end with an assistant answer (its last turn is '
+                             f'{messages[-1]["role"]!r})')
+        if not messages[-1]["content"].strip():
+            raise ValueError(f'"{name}" ends with an empty assistant answer')
+    chosen, rejected = record["chosen"], record["rejected"]
+    if len(chosen) != len(rejected):
+        raise ValueError(f'"chosen" and "rejected" have different prompts ({len(chosen) - 1} vs '
+                         f"{len(rejected) - 1} turns before the answer)")
+    for i, (a, b) in enumerate(zip(chosen[:-1], rejected[:-1])):
+        if a["role"] != b["role"] or a["content"].strip() != b["content"].strip():
+            raise ValueError(f'"chosen" and "rejected" have different prompts (turn {i} differs)')
+    if not any(t["role"] == "user" for t in chosen[:-1]):
+        raise ValueError("the prompt has no user turn (every turn before the answer is system or assistant)")
+    if chosen[-1]["content"].strip() == rejected[-1]["content"].strip():
+        raise ValueError('"chosen" and "rejected" answers are identical (nothing to prefer)')
 
 
 def read_records(path: str | Path, kind: str, skip_bad_lines: bool = False,

@@ -14,10 +14,12 @@ the seed, and a source with more weight than data simply starts its next epoch (
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import torch
 
-from common.errors import ConfigError
+from common.errors import ConfigError, DataError
 
 from .tokenizer import IGNORE_INDEX
 
@@ -106,16 +108,46 @@ class Mixture:
     def input_tokens(self, indices: np.ndarray) -> int:
         return sum(self.parts[k].input_tokens(local) for k, _, local in self._split(indices))
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each source's rows from its own batch(), in the order asked for; SFT rows right-padded to the longest."""
-        pieces = [(rows, *self.parts[k].batch(local), getattr(self.parts[k], "pad_id", 0))
-                  for k, rows, local in self._split(indices)]
-        width = max(x.shape[1] for _, x, _, _ in pieces)
-        n = sum(len(rows) for rows, *_ in pieces)
-        x_out = torch.empty(n, width, dtype=torch.long)
-        y_out = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
-        for rows, x, y, pad in pieces:
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Each source's rows from its own batch(), in the order asked for; SFT rows right-padded to the longest.
+
+        Preference sources (DPO) return (x, y, ref) with 2B rows, chosen then rejected: so does the mixture,
+        each source's chosen rows at the positions asked for and its rejected rows at those positions + B.
+        """
+        n = len(indices)
+        pieces = []
+        for k, rows, local in self._split(indices):
+            out = self.parts[k].batch(local)
+            if len(out) == 3:
+                rows = np.concatenate([rows, rows + n])
+            pieces.append((rows, out, getattr(self.parts[k], "pad_id", 0)))
+        paired = {len(out) == 3 for _, out, _ in pieces}
+        if len(paired) != 1:
+            raise ConfigError("a mixture cannot combine preference pairs with other training data")
+        width = max(out[0].shape[1] for _, out, _ in pieces)
+        total = sum(len(rows) for rows, _, _ in pieces)
+        x_out = torch.empty(total, width, dtype=torch.long)
+        y_out = torch.full((total, width), IGNORE_INDEX, dtype=torch.long)
+        ref_out = torch.empty(total, dtype=torch.float32)
+        for rows, (x, y, *ref), pad in pieces:
             x_out[rows] = pad
             x_out[rows, :x.shape[1]] = x
             y_out[rows, :y.shape[1]] = y
-        return x_out, y_out
+            if ref:
+                ref_out[rows] = ref[0]
+        return (x_out, y_out, ref_out) if paired == {True} else (x_out, y_out)
+
+    # ----------------------------------------------------------- DPO reference (preference sources only)
+    def all_pairs_batches(self, batch_size: int) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        """Every source's all_pairs_batches, with the mixture's indices (0 .. num_examples-1, source by source)."""
+        for k, part in enumerate(self.parts):
+            for indices, x, y in part.all_pairs_batches(batch_size):
+                yield indices + self.offsets[k], x, y
+
+    def set_reference(self, values: np.ndarray) -> None:
+        """(num_examples, 2) reference log-probs in the mixture's index order, handed to each source."""
+        values = np.asarray(values)
+        if len(values) != self.num_examples:
+            raise DataError(f"reference log-probs: expected {self.num_examples} rows, got {len(values)}")
+        for k, part in enumerate(self.parts):
+            part.set_reference(values[self.offsets[k]:self.offsets[k + 1]])

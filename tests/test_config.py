@@ -58,7 +58,7 @@ def test_precedence_defaults_then_stage_then_file_then_command_line(tmp_path):
     ("optim:\n  data_path: x.jsonl\n", "data_path belongs to group 'data', not 'optim'"),
     ("batch_size: eight\n", "batch_size must be int, got 'eight'"),
     ("dtype: fp8\n", "dtype must be one of"),
-    ("overlong: drop\n", "overlong is a setting of sft runs, not of pretrain"),
+    ("overlong: drop\n", "overlong is a setting of sft, lora, dpo, distill runs, not of pretrain"),
     ("- a\n- b\n", "expected a mapping of settings"),
     ("optim: [1\n", "not valid YAML"),
     ("batch_size: 0\n", "--batch_size must be >= 1, got 0"),

@@ -8,7 +8,10 @@ import pytest
 
 import eval_model
 import model.__main__ as model_main
+import train_distillation
+import train_dpo
 import train_full_sft
+import train_lora
 import train_pretrain
 import train_tokenizer
 from dataset import cache, clean, inspect
@@ -19,6 +22,8 @@ from conftest import ROOT
 
 LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch") for p in (ROOT / d).rglob("*.py")]
 ENTRY_POINTS = {"train_pretrain.py": train_pretrain.main, "train_full_sft.py": train_full_sft.main,
+                "train_lora.py": train_lora.main, "train_dpo.py": train_dpo.main,
+                "train_distillation.py": train_distillation.main,
                 "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,
                 "dataset.inspect": inspect.main, "model": model_main.main,
                 "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main}

@@ -28,7 +28,7 @@ def scripted_val_losses(monkeypatch, values: list[float]) -> None:
 
     def evaluate(self):
         last[0] = next(it, last[0])
-        return {self.s.val_sets[0].name: last[0]}
+        return {self.s.val_sets[0].name: {"loss": last[0]}}
 
     monkeypatch.setattr(loop_mod.Trainer, "evaluate", evaluate)
 
@@ -60,7 +60,7 @@ def test_overfit_gap_stops_when_validation_drifts_above_training(corpus, tmp_pat
     losses = iter([])
 
     def val_above_train(self):
-        return {self.s.val_sets[0].name: (self.last_train_loss or 9.0) + next(losses, 1.0)}
+        return {self.s.val_sets[0].name: {"loss": (self.last_train_loss or 9.0) + next(losses, 1.0)}}
 
     losses = iter([0.1, 0.2, 0.8])  # gaps at steps 2, 4, 6
     monkeypatch.setattr(loop_mod.Trainer, "evaluate", val_above_train)

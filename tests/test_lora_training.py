@@ -90,7 +90,7 @@ def test_a_lora_run_evaluates_merges_and_refuses_changed_flags_on_resume(corpus,
     torch.testing.assert_close(merged(x), unmerged(x), rtol=1e-5, atol=1e-5)
     capsys.readouterr()
     assert train_lora.main(lora_flags(corpus, tmp_path, base, lora_rank=8, lora_targets="v_proj", resume=True)) == 2
-    assert "--lora_* describe other adapters" in capsys.readouterr().err
+    assert "the LoRA flags describe other adapters" in capsys.readouterr().err
 
 
 def test_lora_needs_a_model_to_adapt(corpus, tmp_path, capsys):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import io
 import json
 import math
 import re
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from common.config import RESOLVED_KEY, to_dict
@@ -37,6 +40,7 @@ from model.generate import generate
 from model.inference import DTYPES, read_train_info
 from model.loading import (
     ADAPTER_WEIGHTS_NAME,
+    LORA_CONFIG_NAME,
     WEIGHTS_NAME,
     is_lora_dir,
     load_model,
@@ -71,7 +75,7 @@ from .config import ADAPTED, DEFAULT_PRESET, ModelOptions, TrainConfig, parse_tr
 from .data import StepFeeder, eval_batches
 from .distributed import detect_env, device_for, make_backend
 from .metrics import MetricsLogger, flops_per_token, peak_flops
-from .objectives import Batch, Distillation, LanguageModeling, Objective
+from .objectives import DPO, Batch, Distillation, LanguageModeling, Objective, sequence_log_probs
 from .optim import WarmupCosine, build_optimizer
 from .runtime import (
     Precision,
@@ -197,6 +201,8 @@ class Session:
         if self.stage == "distill":
             teacher, _ = load_model(self.teacher_dir, device=device)
             return Distillation(teacher, o.alpha, o.temperature)
+        if self.stage == "dpo":
+            return DPO(o.beta, o.label_smoothing)
         return LanguageModeling()
 
     def _resume_precision(self) -> None:
@@ -251,8 +257,8 @@ class Session:
             return spec, base_reference(self.init_dir)
         saved, base = read_lora_config(self.resume_from)
         if saved != spec:
-            raise ConfigError(f"--lora_* describe other adapters ({spec}) than the run being resumed has ({saved}); "
-                              "drop them, or start a new run")
+            raise ConfigError(f"the LoRA flags describe other adapters ({spec}) than the run being resumed has "
+                              f"({saved}); drop them, or start a new run")
         return saved, base
 
     def build_model(self) -> PocketLM:
@@ -293,6 +299,8 @@ class Trainer:
         self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, self.total_steps)
         # the parameter through which an empty step's gradients are made NaN (see train_step)
         self.objective: Objective = s.objective(self.device)
+        if isinstance(self.objective, DPO):
+            self._prepare_reference()
         self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
         forward_model = torch.compile(self.model) if c.model.compile else self.model
         self.forward_model = self.backend.wrap(forward_model, self.optimizer)
@@ -395,21 +403,25 @@ class Trainer:
 
     # -------------------------------------------------------------------------- eval
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Validation loss (nats per target token) of each --data_path file that has a validation split, over
-        the same --eval_batches batches every time."""
-        val_sets = self.s.val_sets
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Validation loss (per token, or per pair for DPO) and the objective's evaluation metrics of each
+        --data_path file that has a validation split, over the same --eval_batches batches every time."""
+        val_sets, names = self.s.val_sets, self.objective.eval_metrics
         self.model.eval()
-        total = torch.zeros(len(val_sets), 2, device=self.device, dtype=torch.float64)
+        total = torch.zeros(len(val_sets), 2 + len(names), device=self.device, dtype=torch.float64)
         for k, v in enumerate(val_sets):
             for batch in eval_batches(v.data, self.config.optim.batch_size, self.config.eval.eval_batches,
                                       self.backend.rank, self.backend.world_size):
                 batch = tuple(t.to(self.device) for t in batch)
-                total[k, 0] += self.objective.evaluate(self.model, batch, self.precision.autocast).loss
-                total[k, 1] += self.objective.count(batch)
+                out = self.objective.evaluate(self.model, batch, self.precision.autocast)
+                total[k, 0] += self.objective.count(batch)
+                total[k, 1] += out.loss
+                for j, name in enumerate(names):
+                    total[k, 2 + j] += out.metrics[name]
         total = self.backend.all_reduce_sum(total).tolist() if val_sets else []
         self.model.train()
-        return {v.name: loss / n for v, (loss, n) in zip(val_sets, total) if n > 0}
+        return {v.name: dict(zip(("loss", *names), (x / row[0] for x in row[1:])))
+                for v, row in zip(val_sets, total) if row[0] > 0}
 
     # ------------------------------------------------------------------------- train
     def train_step(self, micro: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
@@ -544,6 +556,36 @@ class Trainer:
         c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
         c["grad_norm"] = grad_norm.double()
 
+    def _prepare_reference(self) -> None:
+        """DPO: the reference model's log-probabilities of every pair, computed once (by rank 0, with the
+        --init_from model under this run's precision) and cached beside each file's token cache, keyed by the
+        reference's weights and the precision; every rank then reads them. A resume finds them there."""
+        train = self.s.train_data
+        datasets = [*getattr(train, "parts", [train]), *(v.data for v in self.s.val_sets)]
+        key = f"{weights_sha256(self.s.init_dir)[:16]}-{dtype_name(self.precision.dtype)}"
+        paths = [ds.cache_path / f"reference-{ds.split}-{key}.npy" for ds in datasets]
+        missing = [(ds, path) for ds, path in zip(datasets, paths) if not path.is_file()]
+        if missing and self.backend.is_main:
+            t0 = time.perf_counter()
+            reference, _ = load_model(self.s.init_dir, device=self.device)  # a LoRA run's adapters merged in
+            for ds, path in missing:
+                values = np.zeros((ds.num_examples, 2), dtype=np.float32)
+                for indices, x, y in ds.all_pairs_batches(self.config.optim.batch_size):
+                    logp = sequence_log_probs(reference, x.to(self.device), y.to(self.device),
+                                              self.precision.autocast).cpu().numpy()
+                    values[indices, 0], values[indices, 1] = logp[:len(indices)], logp[len(indices):]
+                with io.BytesIO() as buffer:
+                    np.save(buffer, values)
+                    write_atomic(path, buffer.getvalue())
+            del reference
+            pairs = sum(ds.num_examples for ds, _ in missing)
+            print(f"reference log-probs of {pairs:,} pairs computed once in {time.perf_counter() - t0:.1f}s "
+                  f"({self.s.init_dir}, {dtype_name(self.precision.dtype)}), cached as {paths[0].name}",
+                  file=sys.stderr)
+        self.backend.barrier()
+        for ds, path in zip(datasets, paths):
+            ds.set_reference(np.load(path))
+
     def _memory_estimate(self) -> MemoryEstimate | None:
         """python -m model --estimate for this run (printed at the start), or None where it does not apply."""
         c = self.config
@@ -571,7 +613,7 @@ class Trainer:
         weights are materialised: B x heads x T x T per layer), and which positions are not padding."""
         if not self.s.val_sets:
             return None
-        x, _ = next(eval_batches(self.s.val_sets[0].data, 2, 1, 0, 1))
+        x = next(eval_batches(self.s.val_sets[0].data, 2, 1, 0, 1))[0]
         x = x[:, :1024].to(self.device)
         if self.s.kind == "pretrain":
             return x, None  # pretraining windows are never padded
@@ -721,22 +763,42 @@ class Trainer:
     def _eval_and_log(self) -> None:
         """val_loss: each file's validation loss weighted as the files are mixed in training (one file: its
         loss); with several files each one's loss too, as val_loss/<file stem>."""
-        losses = self.evaluate()
-        if not losses:
+        results = self.evaluate()
+        if not results:
             self.val_loss = None
             return
-        weights = {v.name: v.weight for v in self.s.val_sets if v.name in losses}
-        self.val_loss = sum(weights[k] * loss for k, loss in losses.items()) / sum(weights.values())
-        ppl = math.exp(min(self.val_loss, 50))  # capped: a diverged run must not overflow the log
-        record = {"step": self.step, "val_loss": round(self.val_loss, 5), "val_ppl": round(ppl, 3)}
-        if len(self.s.data.sources) > 1:
-            record.update({f"val_loss/{k}": round(loss, 5) for k, loss in losses.items()})
+        weights = {v.name: v.weight for v in self.s.val_sets if v.name in results}
+        mixed = {key: sum(weights[k] * r[key] for k, r in results.items()) / sum(weights.values())
+                 for key in next(iter(results.values()))}
+        self.val_loss = mixed["loss"]
+        record = {"step": self.step, "val_loss": round(self.val_loss, 5),
+                  **{f"val_{k}": round(v, 5) for k, v in mixed.items() if k != "loss"}}
+        if self.objective.unit == "tokens":  # a perplexity is per token; DPO's loss is per pair
+            record["val_ppl"] = round(math.exp(min(self.val_loss, 50)), 3)  # capped: a diverged run stays finite
+        several = len(self.s.data.sources) > 1
+        if several:
+            record.update({f"val_loss/{k}": round(r["loss"], 5) for k, r in results.items()})
         self.logger.log(record)
-        each = "".join(f", {k} {loss:.4f}" for k, loss in losses.items()) if len(self.s.data.sources) > 1 else ""
-        self.logger.message(f"step {self.step}: val_loss {self.val_loss:.4f} (ppl {ppl:.2f}{each})")
+        notes = [f"ppl {record['val_ppl']:.2f}"] if "val_ppl" in record else []
+        notes += [f"{k} {r['loss']:.4f}" for k, r in results.items()] if several else []
+        extra = "".join(f", {k} {v:.4f}" for k, v in mixed.items() if k != "loss")
+        self.logger.message(f"step {self.step}: val_loss {self.val_loss:.4f}"
+                            + (f" ({', '.join(notes)})" if notes else "") + extra)
 
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "logits")
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """A digest of the weights a model dir holds: its model.safetensors, or a LoRA run's base and adapters."""
+    digest = hashlib.sha256()
+    files = [model_dir / WEIGHTS_NAME] if not is_lora_dir(model_dir) else \
+        [model_dir / ADAPTER_WEIGHTS_NAME, model_dir / LORA_CONFIG_NAME]
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def data_kind(stage: str, data: DataConfig) -> str:

@@ -38,6 +38,7 @@ class Objective:
     """Turns micro-batches into losses. `unit` names what count() counts (the loss is per unit)."""
 
     unit = "tokens"
+    eval_metrics: tuple[str, ...] = ()  # what evaluate() reports beside the loss, summed per unit
 
     def count(self, batch: Batch) -> torch.Tensor:
         """How many units the micro-batch holds (its loss is normalised by the step's total)."""
@@ -81,6 +82,8 @@ class Distillation(Objective):
     scores the student alone (its cross-entropy on the labels), so held-out losses compare with and without a
     teacher; the KL is reported beside it.
     """
+
+    eval_metrics = ("kl",)
 
     def __init__(self, teacher: torch.nn.Module, alpha: float, temperature: float) -> None:
         self.teacher = teacher.eval().requires_grad_(False)
@@ -127,6 +130,7 @@ class DPO(Objective):
     """
 
     unit = "pairs"
+    eval_metrics = ("reward_accuracy", "reward_margin", "reward_chosen", "reward_rejected")
 
     def __init__(self, beta: float, label_smoothing: float = 0.0) -> None:
         self.beta, self.label_smoothing = beta, label_smoothing
