@@ -91,10 +91,11 @@ class PreferenceDataset(GlobalOrder):
         return x, y, ref
 
     def all_pairs_batches(self, batch_size: int) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
-        """(indices, x, y) for consecutive index ranges covering every pair once, in index order (for computing
-        the reference; x, y as in rows())."""
+        """(indices, x, y) covering every pair once, for computing the reference (x, y as in rows()). Pairs of
+        similar length go together, shortest first, so the one-off pass pads little."""
+        order = np.argsort(self.lengths, kind="stable")
         for start in range(0, self.num_examples, batch_size):
-            indices = np.arange(start, min(start + batch_size, self.num_examples))
+            indices = order[start:start + batch_size]
             yield (indices, *self.rows(indices))
 
     def set_reference(self, values: np.ndarray) -> None:

@@ -186,8 +186,8 @@ def test_reference_is_required_and_checked(pairs_ds):
 
 
 def test_reference_walk_covers_every_pair_once_and_lands_in_batch_order(pairs_ds):
-    """The trainer's recipe: score all_pairs_batches in index order, set_reference, and every training batch
-    carries exactly the scores of its own rows."""
+    """The trainer's recipe: score all_pairs_batches (every pair once, shortest first), set_reference, and every
+    training batch carries exactly the scores of its own rows."""
     ds = pairs_ds
     seen, ref = [], np.full((ds.num_examples, 2), np.nan)
     for indices, x, y in ds.all_pairs_batches(16):
@@ -195,7 +195,9 @@ def test_reference_walk_covers_every_pair_once_and_lands_in_batch_order(pairs_ds
         scores = fake_logprob(y).numpy()
         ref[indices, 0], ref[indices, 1] = scores[:len(indices)], scores[len(indices):]
         seen.extend(indices.tolist())
-    assert seen == list(range(ds.num_examples))  # consecutive ranges, in index order: 16, 16, 8
+    assert sorted(seen) == list(range(ds.num_examples))  # every pair once: 16, 16, 8
+    lengths = ds.lengths[seen].tolist()
+    assert lengths == sorted(lengths)  # grouped by length: little padding in the one-off pass
     ds.set_reference(ref)
     for k in range(3):
         x, y, r = ds.batch(ds.global_indices(4 * k, 4))
@@ -319,7 +321,7 @@ def test_training_data_builds_preference_datasets_and_mixtures(tmp_path, tokeniz
         scores = fake_logprob(y).numpy()
         ref[indices, 0], ref[indices, 1] = scores[:len(indices)], scores[len(indices):]
         seen.extend(indices.tolist())
-    assert seen == list(range(mix.num_examples))
+    assert sorted(seen) == list(range(mix.num_examples))
     mix.set_reference(ref)
     # a batch that straddles the two files: chosen rows in the order asked, then the rejected rows
     part_a, part_b = mix.parts

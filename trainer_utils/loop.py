@@ -570,7 +570,8 @@ class Trainer:
             reference, _ = load_model(self.s.init_dir, device=self.device)  # a LoRA run's adapters merged in
             for ds, path in missing:
                 values = np.zeros((ds.num_examples, 2), dtype=np.float32)
-                for indices, x, y in ds.all_pairs_batches(self.config.optim.batch_size):
+                # no gradients are kept: batches four times the training ones fit in the same memory
+                for indices, x, y in ds.all_pairs_batches(4 * self.config.optim.batch_size):
                     logp = sequence_log_probs(reference, x.to(self.device), y.to(self.device),
                                               self.precision.autocast).cpu().numpy()
                     values[indices, 0], values[indices, 1] = logp[:len(indices)], logp[len(indices):]
@@ -604,8 +605,8 @@ class Trainer:
         measured = measure_step_peak(step, self.device, self.model, self.optimizer)
         self.logger.log({"step": self.step, "memory_estimated_gb": round(self.memory.peak / 2**30, 4),
                          "memory_measured_gb": round(measured / 2**30, 4)})
-        note = ("; the estimate is for batches of --max_seq_len tokens, SFT batches are as long as their longest "
-                "conversation" if self.s.kind != "pretrain" else "")
+        note = ("; the estimate is for batches of --max_seq_len tokens, chat batches are as long as their longest "
+                "example" if self.s.kind != "pretrain" else "")
         self.logger.message(self.memory.summary(measured) + note)
 
     def _stats_batch(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -55,8 +55,10 @@ class Objective:
 
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target) at every position, in fp32; 0 where the target is ignored."""
-    logp = -F.cross_entropy(logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
-    return logp.masked_fill(targets == IGNORE_INDEX, 0.0)
+    # over (tokens, vocab) rows: the class dimension contiguous, as the kernel is fastest with it
+    logp = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="none")
+    return logp.view(targets.shape)  # ignored targets come back as 0
 
 
 class LanguageModeling(Objective):
