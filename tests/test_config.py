@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 import eval_model
+import train_distillation
+import train_dpo
 import train_full_sft
+import train_lora
 import train_pretrain
 from common.config import build_config, parse_config, read_config_file, to_dict
 from common.errors import ConfigError
@@ -99,16 +102,24 @@ def test_eval_and_cache_entry_points_share_the_machinery(tmp_path):
 def test_every_recipe_parses_for_its_stage():
     assert {p.stem for p in RECIPES} >= {"demo-pretrain", "demo-sft", "minimind-26m-pretrain", "minimind-26m-sft",
                                          "minimind-104m-pretrain", "gpt2-100m-pretrain"}
+    assert {p.stem for p in RECIPES} >= {"demo-lora", "demo-dpo", "demo-distill", "minimind-26m-lora",
+                                         "minimind-26m-dpo", "minimind-26m-distill"}
     for path in RECIPES:
-        stage = "sft" if path.stem.endswith("sft") else "pretrain"
+        stage = recipe_stage(path)
         config = parse_train_config(stage, ["--config", str(path)], "")
         assert read_config_file(TrainConfig, path, stage), path
-        assert (config.model.init_from is not None) == (stage == "sft"), path
+        assert (config.model.init_from is not None) == (stage in ("sft", "lora", "dpo")) or stage == "distill", path
+        assert (config.objective.teacher is not None) == (stage == "distill"), path
     gpt2 = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/gpt2-100m-pretrain.yaml")], "")
     o = gpt2.optim
     assert (o.learning_rate, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.warmup_steps, o.min_lr) == \
         (3e-4, 0.9, 0.95, 1e-8, 0.1, 1000, 1e-5)
     assert (o.batch_size, o.accumulation_steps, o.max_steps, gpt2.model.max_seq_len) == (8, 4, 50000, 512)
+
+
+def recipe_stage(path) -> str:
+    """A recipe's training script, from its name: <model>-<stage>.yaml."""
+    return path.stem.rsplit("-", 1)[1]
 
 
 @pytest.mark.slow
@@ -126,6 +137,21 @@ def test_every_recipe_trains_two_steps(corpus, tmp_path):
         args = [*small, "--data_path", str(corpus["sft"]), "--init_from", str(pretrain)]
         assert train_full_sft.main(["--config", str(path), *args]) == 0, path
         assert load_model(tmp_path / read_config_file(TrainConfig, path, "sft")["run_name"])[0] is not None
+    # post-training on the runs above: each recipe's --init_from / --teacher point at them by run name
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((ROOT / "dataset/demo/dpo_demo.jsonl").read_text().splitlines(True)[:40]))
+    scripts = {"lora": train_lora.main, "dpo": train_dpo.main, "distill": train_distillation.main}
+    for path in [p for p in RECIPES if recipe_stage(p) in scripts]:
+        stage = recipe_stage(path)
+        recipe = read_config_file(TrainConfig, path, stage)
+        chat = stage == "lora" or "sft" in recipe["data_path"][0]  # distillation takes either kind
+        data = pairs if stage == "dpo" else corpus["sft" if chat else "pretrain"]
+        args = [*small, "--data_path", str(data)]
+        for key in ("init_from", "teacher"):
+            if recipe.get(key):
+                args += [f"--{key}", str(tmp_path / Path(recipe[key]).name)]
+        assert scripts[stage](["--config", str(path), *args]) == 0, path
+        assert load_model(tmp_path / recipe["run_name"])[0] is not None
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sft"])
