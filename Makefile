@@ -7,7 +7,7 @@ DEMO_PRETRAIN_STEPS ?= 450
 DEMO_SFT_STEPS ?= 150
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: install install-dev test test-fast lint demo bench
+.PHONY: install install-dev test test-fast lint demo demo-post bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
@@ -50,6 +50,27 @@ demo: install
 		--prompt "How do I get documentation on Python?" --prompt "你好，你是谁？"
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-pretrain
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-sft
+
+# Post-training on the demo models (after `make demo`), each a recipe in recipes/demo-*.yaml: LoRA teaches the
+# SFT model its name, DPO makes it prefer on-topic, non-looping answers, and distillation trains a smaller
+# student from the pretraining model, beside the same student trained on the labels alone (--alpha 1: same
+# data, steps and initialisation, no teacher term).
+DEMO_POST_SAMPLING := --temperature 0.8 --top_p 0.9 --repetition_penalty 1.2 --seed 0 --max_new_tokens 40
+demo-post: install
+	$(PYTHON) train_lora.py --config recipes/demo-lora.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-sft
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-sft $(DEMO_POST_SAMPLING) \
+		--prompt "Who are you?" --prompt "你是谁？"
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-lora $(DEMO_POST_SAMPLING) \
+		--prompt "Who are you?" --prompt "你是谁？"
+	$(PYTHON) train_dpo.py --config recipes/demo-dpo.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-sft
+	$(PYTHON) train_distillation.py --config recipes/demo-distill.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--teacher $(DEMO_OUT)/demo-pretrain
+	$(PYTHON) train_distillation.py --config recipes/demo-distill.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--teacher $(DEMO_OUT)/demo-pretrain --alpha 1 --run_name demo-student
+	$(PYTHON) scripts/summarize_runs.py $(DEMO_OUT)/demo-lora $(DEMO_OUT)/demo-dpo $(DEMO_OUT)/demo-distill \
+		$(DEMO_OUT)/demo-student
 
 # Benchmarks (CPU here, any GPU elsewhere); results land in bench/results/, the README quotes them.
 BENCH_DATA ?= dataset/demo/pretrain_demo.jsonl

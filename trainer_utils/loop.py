@@ -591,10 +591,12 @@ class Trainer:
         """python -m model --estimate for this run (printed at the start), or None where it does not apply."""
         c = self.config
         if self.backend.name == "deepspeed" or c.optim.optimizer != "adamw" or c.model.compile or \
-                self.model.config.dropout > 0 or self.s.lora is not None:
-            return None  # the formula is eager PyTorch with AdamW on every weight, unsharded, without dropout
+                self.model.config.dropout > 0 or self.s.lora is not None or self.s.stage == "distill":
+            # the formula is one eager model (no teacher) with AdamW on every weight, unsharded, without dropout
+            return None
         o, cfg = self.config.optim, self.model.config
-        return estimate_memory(cfg, o.batch_size, self.s.max_seq_len, self.precision.dtype,
+        rows = o.batch_size * (2 if self.s.stage == "dpo" else 1)  # a DPO batch holds both answers of each pair
+        return estimate_memory(cfg, rows, self.s.max_seq_len, self.precision.dtype,
                                self.config.model.grad_checkpointing, o.accumulation_steps, name=model_name(cfg))
 
     def _measure_memory(self, step: Callable[[], None]) -> None:
