@@ -78,3 +78,4 @@ bench: install-dev
 	$(PYTHON) bench/bench_data.py --data_path $(BENCH_DATA) --out bench/results/data-$$(hostname).json
 	$(PYTHON) bench/bench_generate.py --out bench/results/generate-$$(hostname).json
 	$(PYTHON) bench/bench_train.py --out bench/results/train-$$(hostname).json
+	$(PYTHON) bench/bench_dpo.py --out bench/results/dpo-$$(hostname).json

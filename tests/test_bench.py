@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, demo_records, write_jsonl
 
 pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out
 
@@ -79,6 +79,33 @@ def test_bench_data_reports_prepare_and_padding(corpus, tmp_path):
     [sft] = report["sft"].values()
     assert prep and sft["conversations"] > 0
     assert all(0 <= sft[f"padding_fraction_bs{b}"] < 1 for b in (8, 16, 32))
+
+
+def test_bench_dpo_times_cached_and_recomputed_reference(tmp_path, capsys):
+    """Both DPO variants run on real pairs and report their step times, the speed-up and the one-off reference
+    pass (no speed asserted: targets belong to the benchmark's results, not to tests)."""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", demo_records("dpo_demo.jsonl", 40))
+    out = tmp_path / "dpo.json"
+    bench_module("bench_dpo").main(["--preset", "tiny", "--hidden_size", "64", "--num_hidden_layers", "1",
+                                    "--max_seq_len", "64", "--batch_size", "2", "--batches", "2", "--steps", "2",
+                                    "--warmup", "1", "--repeats", "2", "--dtype", "float32", "--data_path", str(pairs),
+                                    "--cache_dir", str(tmp_path / "cache"), "--num_workers", "0", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["device"].startswith("cpu") and report["dtype"] == "float32" and report["threads"] > 0
+    assert (report["model"]["hidden_size"], report["model"]["num_hidden_layers"]) == (64, 1)
+    assert (report["batch_size_pairs"], report["measured_batches"], report["repeats"]) == (2, 2, 2)
+    for variant in ("cached", "recomputed"):
+        row = report[variant]
+        assert row["step_s"] > 0 and len(row["block_step_s"]) == 2
+        assert row["pairs_per_s"] == pytest.approx(2 / row["step_s"], rel=0.01)
+    assert report["speedup"] == pytest.approx(report["recomputed"]["step_s"] / report["cached"]["step_s"], rel=0.01)
+    # the cached reference is what the recomputed variant computes (fp32: only the batches' padding differs)
+    assert report["cached_vs_recomputed_ref_max_abs_diff"] < 1e-4 * report["ref_logp_mean_abs"]
+    ref, epoch = report["reference_pass"], report["epoch"]
+    assert ref["pairs"] == report["data"]["train_pairs"] > 0 and ref["seconds"] > 0
+    assert epoch["steps"] == ref["pairs"] // 2 and 0 < epoch["reference_pass_frac"] and epoch["cached_train_s"] > 0
+    printed = capsys.readouterr().out
+    assert "cached" in printed and "recomputed" in printed and "speed-up" in printed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs its real checks")

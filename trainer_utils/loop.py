@@ -570,8 +570,8 @@ class Trainer:
             reference, _ = load_model(self.s.init_dir, device=self.device)  # a LoRA run's adapters merged in
             for ds, path in missing:
                 values = np.zeros((ds.num_examples, 2), dtype=np.float32)
-                # no gradients are kept: batches four times the training ones fit in the same memory
-                for indices, x, y in ds.all_pairs_batches(4 * self.config.optim.batch_size):
+                # training-sized batches: larger ones measured slower on CPU (25 s against 21.5 s for the demo)
+                for indices, x, y in ds.all_pairs_batches(self.config.optim.batch_size):
                     logp = sequence_log_probs(reference, x.to(self.device), y.to(self.device),
                                               self.precision.autocast).cpu().numpy()
                     values[indices, 0], values[indices, 1] = logp[:len(indices)], logp[len(indices):]
