@@ -3,12 +3,13 @@ atomic writes, the Slurm rendezvous port, and the check for optional packages.""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
-from .errors import ConfigError
+from .errors import ConfigError, PocketLMError
 
 LATEST_NAME = "latest"  # out/<run>/latest holds "checkpoints/step_..." of the newest complete checkpoint
 BEST_NAME = "best"  # out/<run>/best: the checkpoint with the lowest validation loss (with early stopping)
@@ -55,3 +56,14 @@ def require_package(module: str, needed_for: str) -> None:
     if not found:
         raise ConfigError(f"{needed_for} needs the `{module}` package, which is not installed; install it with "
                           f"`pip install -r requirements.txt` (or `make install`)")
+
+
+def read_json(path: str | Path, error: type[PocketLMError], missing: str = "no such file") -> Any:
+    """The JSON value in `path`, or `error` with a one-line message naming the file (missing, unreadable, broken)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path}: {missing}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.files import read_json
 
 # Marks a config.json as ours, so it is never confused with a transformers config.json.
 MODEL_TYPE = "pocketlm"
@@ -132,12 +133,7 @@ class ModelConfig:
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        d = read_json(path, ConfigError)
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
         return cls.from_dict(d, source=str(path))

@@ -111,6 +111,23 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return clean
 
 
+def check_tensors(expected: dict[str, tuple[int, ...]], state: dict[str, torch.Tensor], source: str,
+                  not_matching: str, expecter: str, hint: str) -> None:
+    """CheckpointError naming `source` unless `state` holds exactly the expected tensor names and shapes."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})")
+        raise CheckpointError(f"{source}: {not_matching}: {'; '.join(parts)}")
+    for name in sorted(expected):
+        got, want = tuple(state[name].shape), tuple(expected[name])
+        if got != want:
+            raise CheckpointError(f"{source}: tensor {name} has shape {got} but {expecter} expects {want} ({hint})")
+
+
 def load_state_into(model: PocketLM, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy tensors into model after checking names and shapes against its config."""
     expected = model.state_dict()
@@ -126,19 +143,9 @@ def load_state_into(model: PocketLM, state: dict[str, torch.Tensor], source: str
     if layer_ids and len(layer_ids) != model.config.num_hidden_layers:
         raise CheckpointError(f"{source}: checkpoint has {len(layer_ids)} layers but the config expects "
                               f"{model.config.num_hidden_layers} (was it trained with another preset or config?)")
-    missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})")
-        raise CheckpointError(f"{source}: not a PocketLM checkpoint for this config: {'; '.join(parts)}")
-    for name in sorted(wanted):
-        got, want = tuple(state[name].shape), tuple(expected[name].shape)
-        if got != want:
-            raise CheckpointError(f"{source}: tensor {name} has shape {got} but the config expects {want} "
-                                  "(was it trained with another preset or config?)")
+    check_tensors({k: tuple(expected[k].shape) for k in wanted}, state, source,
+                  "not a PocketLM checkpoint for this config", "the config", "was it trained with another preset "
+                  "or config?")
     model.load_state_dict(state, strict=False)  # strictness checked above; lm_head is tied
 
 
@@ -165,14 +172,25 @@ def load_model(path: str | Path, config: ModelConfig | None = None, device: torc
         config_path = model_dir / CONFIG_NAME
         if not config_path.is_file():
             raise CheckpointError(f"{weights}: no {CONFIG_NAME} beside it; pass a preset or config explicitly")
-        try:
-            config = ModelConfig.load(config_path)
-        except ConfigError as e:
-            raise CheckpointError(str(e)) from None
-    model = PocketLM(config)
-    load_state_into(model, read_state_dict(weights), str(weights))
+        config = checkpoint_config(config_path)
+    model = model_with_weights(config, weights)
     model.to(device=device, dtype=dtype).eval()
     return model, model_dir
+
+
+def checkpoint_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint's config.json; a broken one is a CheckpointError like the weights'."""
+    try:
+        return ModelConfig.load(path)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def model_with_weights(config: ModelConfig, weights: Path) -> PocketLM:
+    """A PocketLM of `config` holding the tensors of the weights file (checked by name and shape)."""
+    model = PocketLM(config)
+    load_state_into(model, read_state_dict(weights), str(weights))
+    return model
 
 
 def special_token_ids(tokenizer_dir: str | Path) -> dict[str, int]:

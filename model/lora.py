@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from common.errors import CheckpointError, ConfigError
+from common.files import read_json
 
 from .config import ModelConfig
 from .loading import (
@@ -32,9 +33,11 @@ from .loading import (
     CONFIG_NAME,
     LORA_CONFIG_NAME,
     WEIGHTS_NAME,
+    check_tensors,
+    checkpoint_config,
     copy_tokenizer_files,
     is_lora_dir,
-    load_state_into,
+    model_with_weights,
     read_state_dict,
     resolve_model_dir,
 )
@@ -213,19 +216,8 @@ def adapter_shapes(config: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, 
 
 def check_lora_state(expected: dict[str, tuple[int, ...]], state: dict[str, torch.Tensor], source: str) -> None:
     """Raise CheckpointError naming `source` unless `state` has exactly the expected adapter names and shapes."""
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})")
-        raise CheckpointError(f"{source}: adapters do not match the LoRA targets: {'; '.join(parts)}")
-    for name in sorted(expected):
-        got, want = tuple(state[name].shape), tuple(expected[name])
-        if got != want:
-            raise CheckpointError(f"{source}: tensor {name} has shape {got} but the LoRA spec expects {want} "
-                                  "(another rank or model shape?)")
+    check_tensors(expected, state, source, "adapters do not match the LoRA targets", "the LoRA spec",
+                  "another rank or model shape?")
 
 
 def load_lora_state_dict(model: PocketLM, state: dict[str, torch.Tensor], source: str) -> None:
@@ -299,12 +291,7 @@ def save_lora(model: PocketLM, out_dir: str | Path, spec: LoraSpec, base_ref: di
 def read_lora_config(model_dir: str | Path) -> tuple[LoraSpec, dict[str, str]]:
     """The spec and base reference ({"path", "sha256"}) of a LoRA checkpoint directory."""
     path = Path(model_dir) / LORA_CONFIG_NAME
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file (not a LoRA checkpoint)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    info = read_json(path, CheckpointError, missing="no such file (not a LoRA checkpoint)")
     if not isinstance(info, dict) or not isinstance(info.get("base"), dict):
         raise CheckpointError(f"{path}: expected an object with \"lora\" and \"base\"")
     if info.get("format_version") != FORMAT_VERSION:
@@ -348,12 +335,7 @@ def load_lora_model(model_dir: str | Path, device: torch.device | str = "cpu", d
     base_weights = _check_base(lora_json, base)
     # The run's own config.json (its max_seq_len may differ from the base's); the base's when there is none.
     config_path = model_dir / CONFIG_NAME if (model_dir / CONFIG_NAME).is_file() else base_weights.parent / CONFIG_NAME
-    try:
-        config = ModelConfig.load(config_path)
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    model = PocketLM(config)
-    load_state_into(model, read_state_dict(base_weights), str(base_weights))
+    model = model_with_weights(checkpoint_config(config_path), base_weights)
     model.to(device=device)
     apply_lora(model, spec)
     adapters = model_dir / ADAPTER_WEIGHTS_NAME

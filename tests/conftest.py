@@ -60,6 +60,18 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def sft_run(corpus, tmp_path_factory) -> Path:
+    """A tiny SFT run (4 steps on the corpus conversations) for post-training to start from."""
+    from test_train import flags
+
+    import train_full_sft
+
+    out = tmp_path_factory.mktemp("sft")
+    assert train_full_sft.main(flags(corpus, out, "sft", data_path=corpus["sft"], max_steps=4)) == 0
+    return out / "sft"
+
+
+@pytest.fixture(scope="module")
 def two_sources(tmp_path_factory) -> dict[str, Path]:
     """The corpus fixture's documents and conversations split into two files each, to be mixed."""
     d = tmp_path_factory.mktemp("sources")

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train import flags
+from test_train import flags, stop_at, weights
 
 import train_distillation
 import train_pretrain
@@ -111,3 +111,26 @@ def test_a_teacher_with_another_tokenizer_is_refused(corpus, tmp_path, teacher, 
     assert "uses another tokenizer than the student" in capsys.readouterr().err
     assert train_distillation.main(flags(corpus, tmp_path, "student", max_steps=2)) == 2
     assert "train_distillation.py learns from a teacher: pass --teacher" in capsys.readouterr().err
+
+
+def test_distillation_resumes_bit_exactly(corpus, tmp_path, teacher, monkeypatch):
+    assert train_distillation.main(flags(corpus, tmp_path, "straight", teacher=teacher)) == 0
+    stop_at(monkeypatch, 4)
+    assert train_distillation.main(flags(corpus, tmp_path, "resumed", teacher=teacher)) == 0
+    monkeypatch.undo()
+    assert train_distillation.main(flags(corpus, tmp_path, "resumed", teacher=teacher, resume=True)) == 0
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_post_training_in_reduced_precision(corpus, tmp_path, teacher, dtype):
+    """Autocast (and fp16's loss scaling) under the distillation and LoRA objectives: finite, applied steps."""
+    import train_lora
+    assert train_distillation.main(flags(corpus, tmp_path, "distill", teacher=teacher, dtype=dtype,
+                                         max_steps=4)) == 0
+    assert train_lora.main(flags(corpus, tmp_path, "lora", data_path=corpus["sft"], init_from=teacher, preset=None,
+                                 dtype=dtype, max_steps=4)) == 0
+    for run in ("distill", "lora"):
+        records = read_metrics(tmp_path / run)
+        assert all(r["loss"] is not None and r["skipped_steps"] == 0 for r in records), records

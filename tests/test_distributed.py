@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
 
 pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out
 
+DS_BF16 = ["--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 
 
@@ -118,7 +120,7 @@ def test_a_dead_rank_makes_the_other_fail_within_the_timeout(corpus, tmp_path):
 def test_deepspeed_zero2_trains_checkpoints_resumes_and_tracks_ddp(corpus, tmp_path):
     pytest.importorskip("deepspeed")
     torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4))
-    ds = ["--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"]
+    ds = DS_BF16
     torchrun(2, args(corpus, tmp_path, "ds", batch_size=4) + ds)
     ckpt = tmp_path / "ds/checkpoints/step_00000006"
     assert sorted(p.name for p in (ckpt / "deepspeed").glob("*optim_states.pt")) == [
@@ -143,13 +145,35 @@ def test_lora_and_distillation_under_ddp_and_deepspeed(corpus, tmp_path):
     a, b = losses(tmp_path / "single"), losses(tmp_path / "ddp")
     assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     if importlib.util.find_spec("deepspeed") is not None:
-        ds = ["--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"]
-        torchrun(2, args(corpus, tmp_path, "ds", batch_size=4, **post) + ds, "train_lora.py")
+        torchrun(2, args(corpus, tmp_path, "ds", batch_size=4, **post) + DS_BF16, "train_lora.py")
         assert (tmp_path / "ds/checkpoints/step_00000006/lora.json").is_file()
         load_model(tmp_path / "ds")
     res = torchrun(2, args(corpus, tmp_path, "distill", batch_size=4, teacher=tmp_path / "base"),
                    "train_distillation.py")
     assert '"world_size": 2' in res.stderr and len(losses(tmp_path / "distill")) == 6
+    if importlib.util.find_spec("deepspeed") is not None:  # the teacher stays outside the engine
+        torchrun(2, args(corpus, tmp_path, "distill-ds", batch_size=4, teacher=tmp_path / "base") + DS_BF16,
+                 "train_distillation.py")
+        assert len(losses(tmp_path / "distill-ds")) == 6
+
+
+def test_dpo_under_ddp_and_deepspeed(corpus, tmp_path):
+    """DPO's reference pass runs once (rank 0) and every rank reads it; two DDP ranks follow one process with
+    two accumulation steps; ZeRO-2 trains and resumes."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((ROOT / "dataset/demo/dpo_demo.jsonl").read_text().splitlines(True)[:64]))
+    single(args(corpus, tmp_path, "sft", data_path=corpus["sft"]), "train_full_sft.py")
+    post = dict(data_path=pairs, init_from=tmp_path / "sft", preset=None, max_seq_len=128, learning_rate=1e-4)
+    single(args(corpus, tmp_path, "single", batch_size=4, accumulation_steps=2, **post), "train_dpo.py")
+    res = torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, **post), "train_dpo.py")
+    assert "computed once" not in res.stderr  # the single-process run cached the reference for both
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert abs(a[0] - math.log(2)) < 1e-4 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    if importlib.util.find_spec("deepspeed") is not None:
+        torchrun(2, args(corpus, tmp_path, "ds", batch_size=4, **post) + DS_BF16, "train_dpo.py")
+        torchrun(2, args(corpus, tmp_path, "ds", batch_size=4, max_steps=8, resume=True, **post) + DS_BF16,
+                 "train_dpo.py")
+        assert [m["step"] for m in read_metrics(tmp_path / "ds")] == list(range(1, 9))
 
 
 def test_deepspeed_launcher_and_plain_python(corpus, tmp_path):

@@ -10,7 +10,6 @@ import torch
 from test_train import flags, stop_at, weights
 
 import train_dpo
-import train_full_sft
 from model import load_model
 
 from conftest import ROOT, read_metrics, strict_records
@@ -26,10 +25,8 @@ def pairs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sft(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sft")
-    assert train_full_sft.main(flags(corpus, out, "sft", data_path=corpus["sft"], max_steps=4)) == 0
-    return out / "sft"
+def sft(sft_run):
+    return sft_run
 
 
 def dpo_flags(pairs, tmp_path, init, run="dpo", **over) -> list[str]:

@@ -9,7 +9,6 @@ import torch
 from test_train import flags, stop_at
 
 import eval_model
-import train_full_sft
 import train_lora
 from model import load_model
 from model.convert import main as convert
@@ -21,11 +20,9 @@ from conftest import read_metrics, write_jsonl
 
 
 @pytest.fixture(scope="module")
-def base(corpus, tmp_path_factory):
+def base(sft_run):
     """A tiny SFT run to adapt."""
-    out = tmp_path_factory.mktemp("base")
-    assert train_full_sft.main(flags(corpus, out, "sft", data_path=corpus["sft"], max_steps=4)) == 0
-    return out / "sft"
+    return sft_run
 
 
 def lora_flags(corpus, tmp_path, base, run="lora", **over) -> list[str]:
