@@ -14,12 +14,10 @@ the seed, and a source with more weight than data simply starts its next epoch (
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 import torch
 
-from common.errors import ConfigError, DataError
+from common.errors import ConfigError
 
 from .tokenizer import IGNORE_INDEX
 
@@ -136,18 +134,3 @@ class Mixture:
             if ref:
                 ref_out[rows] = ref[0]
         return (x_out, y_out, ref_out) if paired == {True} else (x_out, y_out)
-
-    # ----------------------------------------------------------- DPO reference (preference sources only)
-    def all_pairs_batches(self, batch_size: int) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
-        """Every source's all_pairs_batches, with the mixture's indices (0 .. num_examples-1, source by source)."""
-        for k, part in enumerate(self.parts):
-            for indices, x, y in part.all_pairs_batches(batch_size):
-                yield indices + self.offsets[k], x, y
-
-    def set_reference(self, values: np.ndarray) -> None:
-        """(num_examples, 2) reference log-probs in the mixture's index order, handed to each source."""
-        values = np.asarray(values)
-        if len(values) != self.num_examples:
-            raise DataError(f"reference log-probs: expected {self.num_examples} rows, got {len(values)}")
-        for k, part in enumerate(self.parts):
-            part.set_reference(values[self.offsets[k]:self.offsets[k + 1]])
