@@ -89,3 +89,14 @@ def test_dpo_with_lora_adapters(pairs, tmp_path, sft):
     ckpt = run / (run / "latest").read_text().strip()
     assert (ckpt / "lora.json").is_file() and not (ckpt / "model.safetensors").exists()
     load_model(run)  # evaluable as any checkpoint
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dpo_in_reduced_precision(pairs, tmp_path, sft, dtype):
+    """The reference is computed under the run's autocast (cached per precision); fp16 steps go through the loss
+    scaler: the first step is still ln 2 within the format's precision, and every step is applied."""
+    assert train_dpo.main(dpo_flags(pairs, tmp_path, sft, max_steps=4, dtype=dtype)) == 0
+    records = read_metrics(tmp_path / "dpo")
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=2e-3)
+    assert all(r["skipped_steps"] == 0 and r["loss"] is not None for r in records)
+    assert any(f"-{dtype}.npy" in f.name for f in reference_files(pairs))
