@@ -2,6 +2,7 @@
 atomic writes, the Slurm rendezvous port, and the check for optional packages."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -56,6 +57,15 @@ def require_package(module: str, needed_for: str) -> None:
     if not found:
         raise ConfigError(f"{needed_for} needs the `{module}` package, which is not installed; install it with "
                           f"`pip install -r requirements.txt` (or `make install`)")
+
+
+def file_sha256(path: str | Path, block: int = 1 << 22) -> str:
+    """The hex sha256 of a file, read in blocks (weights files can be large)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def read_json(path: str | Path, error: type[PocketLMError], missing: str = "no such file") -> Any:

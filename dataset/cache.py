@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from common.files import file_sha256
+
 from .jsonl import DEFAULT_MAX_LINE_BYTES, DataError, SkipReport, check_path, iter_raw_lines, parse_line, write_atomic
 from .tokenizer import Tokenizer
 
@@ -54,14 +56,6 @@ SPLITS = ("train", "val")
 # ---------------------------------------------------------------------------- helpers
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-def file_sha256(path: Path, block: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: 2**64 / golden ratio

@@ -14,7 +14,6 @@ Loading for inference merges by default (W + alpha/rank * B @ A is one matmul pe
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from common.errors import CheckpointError, ConfigError
-from common.files import read_json
+from common.files import file_sha256, read_json
 
 from .config import ModelConfig
 from .loading import (
@@ -245,14 +244,6 @@ def merge_lora(model: PocketLM) -> PocketLM:
 
 
 # ---------------------------------------------------------------- files on disk
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def base_reference(base_dir: str | Path) -> dict[str, str]:
     """{"path": absolute base model dir, "sha256": of its model.safetensors}; hashing reads the whole file, so
     compute it once per run."""
@@ -262,7 +253,7 @@ def base_reference(base_dir: str | Path) -> dict[str, str]:
         hint = " (a LoRA run: merge it first with `python -m model.convert --merge_lora`)" if is_lora_dir(
             model_dir) else ""
         raise CheckpointError(f"{model_dir}: no {WEIGHTS_NAME}; LoRA needs a plain PocketLM model as its base{hint}")
-    return {"path": str(model_dir.resolve()), "sha256": _sha256(weights)}
+    return {"path": str(model_dir.resolve()), "sha256": file_sha256(weights)}
 
 
 def save_lora(model: PocketLM, out_dir: str | Path, spec: LoraSpec, base_ref: dict[str, str],
@@ -314,7 +305,7 @@ def _check_base(lora_json: Path, base: dict[str, str]) -> Path:
         raise CheckpointError(f"{lora_json}: its base {base['path']} is gone (no {WEIGHTS_NAME} there); the "
                               "adapters need the exact weights they were trained on: restore that directory, or "
                               f"set base.path in {LORA_CONFIG_NAME} to where it is now (its sha256 is checked)")
-    found = _sha256(weights)
+    found = file_sha256(weights)
     if found != base["sha256"]:
         raise CheckpointError(f"{lora_json}: its base {base['path']} changed since the adapters were trained "
                               f"(sha256 {found[:16]}… there, {base['sha256'][:16]}… recorded); restore the original "

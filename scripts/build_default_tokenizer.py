@@ -28,7 +28,7 @@ from typing import Any, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dataset.cache import file_sha256  # noqa: E402
+from common.files import file_sha256  # noqa: E402
 from dataset.jsonl import DataError, SkipReport, check_path, read_records  # noqa: E402
 from dataset.tokenizer import (  # noqa: E402
     DEFAULT_TOKENIZER_DIR,

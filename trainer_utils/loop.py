@@ -30,7 +30,7 @@ import torch
 
 from common.config import RESOLVED_KEY, to_dict
 from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
-from common.files import BEST_NAME, TRAIN_CONFIG_NAME, write_atomic
+from common.files import BEST_NAME, TRAIN_CONFIG_NAME, file_sha256, write_atomic
 from dataset.config import DataConfig, training_data
 from dataset.jsonl import read_records
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
@@ -794,14 +794,11 @@ MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "logits")
 
 def weights_sha256(model_dir: Path) -> str:
     """A digest of the weights a model dir holds: its model.safetensors, or a LoRA run's base and adapters."""
-    digest = hashlib.sha256()
-    files = [model_dir / WEIGHTS_NAME] if not is_lora_dir(model_dir) else \
-        [model_dir / ADAPTER_WEIGHTS_NAME, model_dir / LORA_CONFIG_NAME]
-    for file in files:
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
+    if not is_lora_dir(model_dir):
+        return file_sha256(model_dir / WEIGHTS_NAME)
+    # the adapters and lora.json, which holds the base's own sha256
+    parts = [file_sha256(model_dir / ADAPTER_WEIGHTS_NAME), file_sha256(model_dir / LORA_CONFIG_NAME)]
+    return hashlib.sha256("".join(parts).encode()).hexdigest()
 
 
 def data_kind(stage: str, data: DataConfig) -> str:
