@@ -40,6 +40,21 @@ class ModelConfig:
     position_embedding: str = "rope"  # "rope" | "learned"
     mlp: str = "swiglu"  # "swiglu" | "gelu" (tanh approximation, as GPT-2)
     bias: bool = False
+    # Mixture of experts (model/model.py MoE): num_experts > 0 replaces every block's MLP by num_experts routed
+    # SwiGLU experts of moe_intermediate_size (default: intermediate_size), of which each token uses
+    # num_experts_per_tok, plus num_shared_experts that every token uses. norm_topk_prob rescales the chosen
+    # experts' router probabilities to sum to 1 (refused with top-1: every weight would be 1 and the router would
+    # get no gradient from the language-model loss). The router_* coefficients are training choices: the
+    # load-balancing loss (1.0 when perfectly balanced), the router z-loss, and the step size of the
+    # auxiliary-loss-free balancing bias (0 = off). See README "Mixture of experts".
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    num_shared_experts: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
+    router_bias_update_rate: float = 0.0
     # Runtime switch, not part of the architecture: recompute each block in backward to save activations.
     gradient_checkpointing: bool = field(default=False, compare=False)
 
@@ -47,6 +62,8 @@ class ModelConfig:
         if self.intermediate_size is None and isinstance(self.hidden_size, int):
             d = self.hidden_size
             self.intermediate_size = 64 * math.ceil(8 * d / 3 / 64) if self.mlp == "swiglu" else 4 * d
+        if self.moe_intermediate_size is None and isinstance(self.num_experts, int) and self.num_experts > 0:
+            self.moe_intermediate_size = self.intermediate_size
         self.validate()
 
     # ------------------------------------------------------------------ checks
@@ -78,14 +95,47 @@ class ModelConfig:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError("rope_theta and norm_eps must be positive")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        for name in ("num_experts", "num_shared_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
+        if not self.moe:
+            return
+        if self.mlp != "swiglu":
+            raise ConfigError(f"mixture-of-experts layers use SwiGLU experts; mlp={self.mlp!r} is not supported "
+                              "with num_experts > 0")
+        k, f = self.num_experts_per_tok, self.moe_intermediate_size
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), got {k!r}")
+        if not isinstance(f, int) or isinstance(f, bool) or f <= 0:
+            raise ConfigError(f"moe_intermediate_size must be a positive integer, got {f!r}")
+        if k == 1 and self.norm_topk_prob:
+            raise ConfigError("norm_topk_prob with num_experts_per_tok=1 makes every gate weight exactly 1, so the "
+                              "language-model loss never reaches the router; set norm_topk_prob=false (Switch-style: "
+                              "the expert's output is scaled by its router probability)")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def moe(self) -> bool:
+        """Whether the blocks' MLPs are mixtures of experts."""
+        return self.num_experts > 0
+
+    @property
     def style(self) -> str:
-        """'llama' or 'gpt2' when the switches match one of the two reference architectures, else 'custom'."""
+        """'llama' or 'gpt2' when the switches match one of the two reference architectures, 'moe' for a
+        Llama-style model with mixture-of-experts MLPs, else 'custom'."""
+        if self.moe:
+            return "moe" if (self.norm, self.position_embedding, self.bias) == ("rmsnorm", "rope", False) else "custom"
         if (self.norm, self.position_embedding, self.mlp, self.bias) == ("rmsnorm", "rope", "swiglu", False):
             return "llama"
         if (self.norm, self.position_embedding, self.mlp) == ("layernorm", "learned", "gelu"):
@@ -93,14 +143,19 @@ class ModelConfig:
         return "custom"
 
     # ------------------------------------------------------------- parameters
-    def num_parameters(self, non_embedding: bool = False) -> int:
-        """Closed-form parameter count; tests check it against the instantiated module."""
+    def num_parameters(self, non_embedding: bool = False, active: bool = False) -> int:
+        """Closed-form parameter count; tests check it against the instantiated module. active=True counts the
+        experts a token uses (num_experts_per_tok of the routed ones), which is what sets a step's compute."""
         d, f, L, V = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
         kv = self.num_key_value_heads * self.head_dim
         b = int(self.bias)
         norm = d * (2 if self.norm == "layernorm" and self.bias else 1)
         attn = (d * d + b * d) * 2 + (d * kv + b * kv) * 2  # q, o and k, v
-        mlp = (3 if self.mlp == "swiglu" else 2) * d * f + b * ((2 * f if self.mlp == "swiglu" else f) + d)
+        if self.moe:  # router + routed experts + shared experts, SwiGLU without biases
+            routed = self.num_experts_per_tok if active else self.num_experts
+            mlp = d * self.num_experts + 3 * d * self.moe_intermediate_size * (routed + self.num_shared_experts)
+        else:
+            mlp = (3 if self.mlp == "swiglu" else 2) * d * f + b * ((2 * f if self.mlp == "swiglu" else f) + d)
         per_layer = attn + mlp + 2 * norm
         embeddings = V * d + (self.max_position_embeddings * d if self.position_embedding == "learned" else 0)
         head = 0 if self.tie_word_embeddings else V * d
@@ -148,6 +203,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-100m": dict(vocab_size=16384, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                       num_key_value_heads=12, max_seq_len=512, max_position_embeddings=512,
                       norm="layernorm", position_embedding="learned", mlp="gelu", bias=True),
+    # MiniMind2-MoE's shape: 4 routed experts (top-2) + 1 shared, each as wide as the dense MLP. 2 of 4 routed
+    # plus the shared one: a token uses 3 MLPs' worth of weights.
+    "minimind-moe": dict(hidden_size=640, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2, num_shared_experts=1),
+    # The MoE counterpart of minimind-26m at equal compute: 8 fine-grained experts of half the dense MLP's width,
+    # top-2, so a token's active parameters (and FLOPs) equal minimind-26m's while the model holds 4x the MLP
+    # weights. What bench/bench_train.py compares against the dense preset.
+    "minimind-26m-moe": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=704),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  max_seq_len=64, max_position_embeddings=256),
 }
@@ -184,7 +248,8 @@ def reshape_preset(name: str, hidden_size: int | None = None, num_hidden_layers:
 
 # Fields that are not the network's architecture: the tokenizer sets the vocabulary, the run sets the context,
 # dropout is a training choice. Two configs equal on every other field describe the same network shape.
-NOT_ARCHITECTURE = ("vocab_size", "max_seq_len", "max_position_embeddings", "dropout", "gradient_checkpointing")
+NOT_ARCHITECTURE = ("vocab_size", "max_seq_len", "max_position_embeddings", "dropout", "gradient_checkpointing",
+                    "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate")
 
 
 def architecture(config: ModelConfig) -> dict[str, Any]:
@@ -201,12 +266,16 @@ def model_name(config: ModelConfig) -> str:
 
 def preset_table() -> str:
     """Markdown table of the presets' shapes and parameter counts (pasted into the README)."""
-    rows = ["| preset | style | d_model | layers | heads (kv) | ffn | vocab | ctx | params | non-embedding |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| preset | style | d_model | layers | heads (kv) | ffn | vocab | ctx | params | non-embedding | active |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in PRESETS:
         c = get_preset(name)
+        ffn = (f"{c.num_experts}x{c.moe_intermediate_size} top-{c.num_experts_per_tok}"
+               + (f" +{c.num_shared_experts} shared" if c.num_shared_experts else "")) if c.moe \
+            else str(c.intermediate_size)
         rows.append(f"| `{name}` | {c.style} | {c.hidden_size} | {c.num_hidden_layers} | "
-                    f"{c.num_attention_heads} ({c.num_key_value_heads}) | {c.intermediate_size} | {c.vocab_size} | "
+                    f"{c.num_attention_heads} ({c.num_key_value_heads}) | {ffn} | {c.vocab_size} | "
                     f"{c.max_seq_len} | {c.num_parameters() / 1e6:.2f}M | "
-                    f"{c.num_parameters(non_embedding=True) / 1e6:.2f}M |")
+                    f"{c.num_parameters(non_embedding=True) / 1e6:.2f}M | "
+                    f"{c.num_parameters(active=True) / 1e6:.2f}M |")
     return "\n".join(rows)

@@ -1,12 +1,14 @@
 """The PocketLM decoder: a Llama-style transformer (GPT-2-style by config switches) in one readable file.
 
-Read top-down: norms -> rotary positions -> attention (with GQA and a preallocated KV cache) -> MLP -> block
--> the model. Parameter names follow the Hugging Face Llama layout (`layers.0.self_attn.q_proj.weight`, ...), so
-exporting is a rename and MiniMind checkpoints, which use the same names, load as they are.
+Read top-down: norms -> rotary positions -> attention (with GQA and a preallocated KV cache) -> MLP (dense, or a
+mixture of experts) -> block -> the model. Parameter names follow the Hugging Face Llama layout
+(`layers.0.self_attn.q_proj.weight`, ...), so exporting is a rename and MiniMind checkpoints, which use the same
+names, load as they are.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -143,9 +145,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (silu(gate) * up -> down) for Llama style, or GELU (up -> gelu -> down) for GPT-2 style."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        d, f = cfg.hidden_size, cfg.intermediate_size
+        d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gated = cfg.mlp == "swiglu"
         if self.gated:
             self.gate_proj = nn.Linear(d, f, bias=cfg.bias)
@@ -161,21 +163,129 @@ class MLP(nn.Module):
         return self.dropout(self.down_proj(h))
 
 
+# ---------------------------------------------------------------- mixture of experts
+@dataclass
+class RouterStats:
+    """What the routers of one forward did, per MoE layer (rows), for the loop's balancing losses and logs.
+
+    counts     (L, E) tokens each expert received (a token counts once per expert it chose), no gradient
+    prob_sum   (L, E) router probabilities summed over the tokens: differentiable, the P of the balancing loss
+    z_sum      (L,)   sum over tokens of logsumexp(router logits)^2: differentiable, the router z-loss
+    entropy_sum (L,)  sum over tokens of the router distribution's entropy (nats), no gradient
+    tokens     tokens routed per layer
+    """
+
+    counts: torch.Tensor
+    prob_sum: torch.Tensor
+    z_sum: torch.Tensor
+    entropy_sum: torch.Tensor
+    tokens: int
+
+
+class Experts(nn.Module):
+    """num_experts SwiGLU MLPs with stacked weights, run on tokens already grouped by expert.
+
+    Stacked (E, out, in) tensors rather than E modules: one parameter per kind, which is the layout grouped
+    matmuls take. Every expert's weights take part in every forward, even an expert that received no token
+    (its matmul has zero rows and its gradient is zero), so DDP's gradient reduction never waits for a
+    gradient that was not produced.
+    """
+
+    def __init__(self, num_experts: int, d: int, f: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, f, d))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, f, d))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, d, f))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, d) sorted by expert, counts (E,) rows per expert -> (N, d)."""
+        if use_grouped_mm(x):
+            # one kernel per projection; offsets stay on the device (no host sync)
+            offs = counts.cumsum(0).to(torch.int32)
+            gate = F.grouped_mm(x, self.gate_proj.to(x.dtype).transpose(1, 2), offs=offs)
+            up = F.grouped_mm(x, self.up_proj.to(x.dtype).transpose(1, 2), offs=offs)
+            return F.grouped_mm(F.silu(gate) * up, self.down_proj.to(x.dtype).transpose(1, 2), offs=offs)
+        # portable path: a slice per expert (the split sizes are one host read per layer)
+        out = [F.linear(F.silu(F.linear(xs, self.gate_proj[e])) * F.linear(xs, self.up_proj[e]), self.down_proj[e])
+               for e, xs in enumerate(x.split(counts.tolist()))]
+        return torch.cat(out)
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    """Grouped matmuls where PyTorch has them for the device: CUDA in bf16 (its backward is not available on
+    CPU in PyTorch 2.13, and the kernel wants 16-byte aligned rows)."""
+    return (x.is_cuda and hasattr(F, "grouped_mm") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+            and (x.dtype == torch.bfloat16 or torch.is_autocast_enabled("cuda")) and x.shape[-1] % 8 == 0)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: a router picks num_experts_per_tok experts per token, their outputs are summed
+    with the router's weights, and shared experts (if any) add their output for every token.
+
+    Dropless: every token reaches every expert it chose; nothing is capped or dropped. Dispatch is a sort, not
+    a loop over tokens: the (token, choice) pairs are ordered by expert, each expert runs on its contiguous
+    slice, and the outputs are put back in (token, choice) order and summed with the gate weights.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        d = cfg.hidden_size
+        self.gate = nn.Linear(d, cfg.num_experts, bias=False)  # the router (Mixtral / Qwen2-MoE name)
+        self.experts = Experts(cfg.num_experts, d, cfg.moe_intermediate_size)
+        self.shared_experts = (MLP(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size)
+                               if cfg.num_shared_experts else None)  # S experts side by side are one S-times-wider MLP
+        # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores when choosing the
+        # experts, never to the gate weights. The trainer nudges it after each step (router_bias_update_rate);
+        # zero otherwise. Persistent: it is part of what the model computes.
+        self.register_buffer("router_bias", torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        B, T, d = x.shape
+        flat = x.reshape(-1, d)
+        N, k = flat.shape[0], self.top_k
+        logits = self.gate(flat).float()  # softmax and choice in fp32, as Mixtral and Qwen2-MoE do
+        probs = logits.softmax(-1)
+        choice = (probs + self.router_bias.float()).topk(k, dim=-1).indices  # (N, k)
+        weights = probs.gather(-1, choice)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+
+        # dispatch: the N*k (token, choice) pairs in expert order
+        expert_of = choice.flatten()
+        order = expert_of.argsort(stable=True)
+        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        y = self.experts(flat[order // k], counts)
+        # combine: back to (token, choice) order (a gather, deterministic, unlike an atomic scatter-add)
+        y = y[torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))]
+        out = (y.view(N, k, d) * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+
+        with torch.no_grad():
+            entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
+        stats = (counts.float(), probs.sum(0), torch.logsumexp(logits, -1).pow(2).sum(), entropy)
+        return out.view(B, T, d), stats
+
+
 # ---------------------------------------------------------------------------- block
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). Returns the new residual stream
+    and, for a mixture-of-experts MLP, what its router did (None for a dense MLP)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = make_norm(cfg)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: KVCache | None) -> tuple[torch.Tensor, tuple | None]:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(self.post_attention_layernorm(x))
+        h, router = h if isinstance(h, tuple) else (h, None)
+        return x + h, router
 
 
 # ---------------------------------------------------------------------------- model
@@ -210,12 +320,16 @@ class PocketLM(nn.Module):
         """
         std = self.config.initializer_range
         for name, module in self.named_modules():
+            residual_scale = 1 / math.sqrt(2 * self.config.num_hidden_layers)
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                scale = 1 / math.sqrt(2 * self.config.num_hidden_layers) if name.endswith(
-                    ("o_proj", "down_proj")) else 1.0
+                scale = residual_scale if name.endswith(("o_proj", "down_proj")) else 1.0
                 nn.init.normal_(module.weight, mean=0.0, std=std * scale)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, Experts):  # each expert initialised as a dense MLP would be
+                nn.init.normal_(module.gate_proj, mean=0.0, std=std)
+                nn.init.normal_(module.up_proj, mean=0.0, std=std)
+                nn.init.normal_(module.down_proj, mean=0.0, std=std * residual_scale)
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
@@ -227,6 +341,14 @@ class PocketLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields tied tensors once
+
+    @torch.no_grad()
+    def update_router_bias(self, counts: torch.Tensor, rate: float) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3, eq. 16): after a step, raise the routing bias of each
+        MoE layer's underloaded experts by `rate` and lower the overloaded ones'; counts (L, E) is the step's
+        load over every micro-batch and rank, so all ranks make the same update."""
+        for layer, c in zip(self.layers, counts):
+            layer.mlp.router_bias += rate * torch.sign(c.mean() - c).to(layer.mlp.router_bias.dtype)
 
     def _attention_mask(self, attention_mask: torch.Tensor | None, start: int, T: int,
                         device: torch.device) -> torch.Tensor | None:
@@ -249,8 +371,11 @@ class PocketLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """Logits for every position (or only the last with last_only=True, as prefill needs).
+                last_only: bool = False, return_router: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, RouterStats | None]:
+        """Logits for every position (or only the last with last_only=True, as prefill needs); with
+        return_router=True, (logits, RouterStats) for a mixture-of-experts model ((logits, None) for a dense one):
+        the trainer adds the balancing losses from them.
 
         position_ids default to consecutive positions after what kv_cache holds; pass them explicitly for
         left-padded batches (position = number of real tokens before it).
@@ -284,13 +409,22 @@ class PocketLM(nn.Module):
         x = self.dropout(x)
 
         mask = self._attention_mask(attention_mask, start, T, input_ids.device)
+        routers = []
         for layer in self.layers:
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, mask, kv_cache, use_reentrant=False)
+                # what the router returns comes from the forward; backward's recomputation discards its copy
+                x, router = checkpoint(layer, x, rope, mask, kv_cache, use_reentrant=False)
             else:
-                x = layer(x, rope, mask, kv_cache)
+                x, router = layer(x, rope, mask, kv_cache)
+            routers.append(router)
         if kv_cache is not None:
             kv_cache.length += T
 
         x = self.norm(x[:, -1:] if last_only else x)
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        if not return_router:
+            return logits
+        if not self.config.moe:
+            return logits, None
+        counts, prob_sum, z_sum, entropy_sum = (torch.stack(t) for t in zip(*routers))
+        return logits, RouterStats(counts, prob_sum, z_sum, entropy_sum, B * T)

@@ -126,12 +126,14 @@ def layer_stats(model: PocketLM, input_ids: torch.Tensor, attention_mask: torch.
         return hook
 
     def on_mlp(i: int):
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+            output = output[0] if isinstance(output, tuple) else output  # a MoE MLP returns its router's stats too
             per_layer[i]["mlp_out_rms"] = _rms(output, real)
         return hook
 
     def on_block(i: int):
-        def hook(module: Block, args: tuple, output: torch.Tensor) -> None:
+        def hook(module: Block, args: tuple, output: tuple[torch.Tensor, tuple | None]) -> None:
+            output = output[0]
             token_rms = output.float().pow(2).mean(-1).sqrt()[real]
             s = per_layer[i]
             s["act_rms"] = token_rms.pow(2).mean().sqrt()

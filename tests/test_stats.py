@@ -153,7 +153,7 @@ def test_activation_statistics_match_the_hooked_outputs(pad):
 
     def rms(out):
         return out[real].pow(2).mean().sqrt().item()
-    for i, (_, out) in enumerate(capture(model, "block", x, **kwargs)):
+    for i, (_, (out, _router)) in enumerate(capture(model, "block", x, **kwargs)):
         assert stats.act_rms[i] == pytest.approx(rms(out), rel=1e-5)
         assert stats.act_max[i] == pytest.approx(out[real].abs().max().item(), rel=1e-6)
         torch.testing.assert_close(stats.token_rms[i], out[real].pow(2).mean(-1).sqrt())
