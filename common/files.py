@@ -18,6 +18,18 @@ TRAIN_INFO_NAME = "train_info.json"  # stage and step of a checkpoint
 TRAIN_CONFIG_NAME = "train_config.json"  # a run's full configuration, itself a valid --config file
 
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def shipped_path(path: str) -> Path:
+    """`path` as given, or, when it is relative and absent from the working directory, the file of that name the
+    project ships (dataset/prompts/samples.txt is a default wherever the trainer is started from)."""
+    p = Path(path)
+    if p.is_absolute() or p.exists() or not (PROJECT_ROOT / p).exists():
+        return p
+    return PROJECT_ROOT / p
+
+
 def write_atomic(path: str | Path, data: str | bytes | Iterable[bytes]) -> None:
     """Write `data` (text, bytes, or an iterable of byte chunks) to a temporary file beside `path`, fsync it
     and rename it over `path`: readers see the old file or the new one, never a half-written one."""

@@ -42,10 +42,32 @@ class ModelOptions:
                                          "effect with --init_from too", at_least=0, below=1)
     init_from: str | None = option(None, "start from the weights of this run / checkpoint / model dir",
                                  metavar="DIR")
+    # mixture of experts (README "Mixture of experts"): the shape of a new model's MoE layers
+    num_experts: int | None = option(None, "routed experts per block, 0 = a dense MLP (default: the preset's)",
+                                     at_least=0)
+    num_experts_per_tok: int | None = option(None, "experts each token is routed to (top-k)", at_least=1)
+    num_shared_experts: int | None = option(None, "experts every token uses besides its routed ones", at_least=0)
+    moe_intermediate_size: int | None = option(None, "each expert's hidden width (default: the dense MLP's)",
+                                               at_least=1)
+    norm_topk_prob: bool | None = option(None, "rescale the chosen experts' router probabilities to sum to 1 "
+                                               "(not with top-1; default: on for top-k > 1)")
+    # ... and how their routers are trained: training choices, they take effect with --init_from too
+    router_aux_loss_coef: float | None = option(None, "weight of the load-balancing loss (1.0 when balanced; "
+                                                      "default 0.01)", at_least=0)
+    router_z_loss_coef: float | None = option(None, "weight of the router z-loss (default 0)", at_least=0)
+    router_bias_update_rate: float | None = option(None, "auxiliary-loss-free balancing: step of the per-expert "
+                                                         "routing bias after each optimizer step (0 = off, "
+                                                         "DeepSeek-V3 uses 0.001)", at_least=0)
     grad_checkpointing: bool = option(False, "recompute blocks in backward: less memory, ~30% more compute")
     compile: bool = option(False, "torch.compile the model")
 
-    SHAPE_FLAGS: ClassVar[tuple[str, ...]] = ("preset", "hidden_size", "num_hidden_layers")
+    SHAPE_FLAGS: ClassVar[tuple[str, ...]] = ("preset", "hidden_size", "num_hidden_layers", "num_experts",
+                                              "num_experts_per_tok", "num_shared_experts", "moe_intermediate_size",
+                                              "norm_topk_prob")
+    # not the network's shape: given with --init_from they apply to the loaded model; with --resume they must
+    # agree with the run
+    TRAINING_FLAGS: ClassVar[tuple[str, ...]] = ("dropout", "router_aux_loss_coef", "router_z_loss_coef",
+                                                 "router_bias_update_rate")
 
 
 @dataclass

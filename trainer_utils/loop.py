@@ -30,7 +30,7 @@ import torch
 
 from common.config import RESOLVED_KEY, to_dict
 from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
-from common.files import BEST_NAME, TRAIN_CONFIG_NAME, file_sha256, write_atomic
+from common.files import BEST_NAME, TRAIN_CONFIG_NAME, file_sha256, shipped_path, write_atomic
 from dataset.config import DataConfig, training_data
 from dataset.jsonl import read_records
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
@@ -77,6 +77,7 @@ from .distributed import detect_env, device_for, make_backend
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .objectives import DPO, Batch, Distillation, LanguageModeling, Objective, sequence_log_probs
 from .optim import WarmupCosine, build_optimizer
+from .routing import RouterBalance
 from .runtime import (
     Precision,
     StopSignal,
@@ -94,11 +95,14 @@ OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and mo
 
 
 def new_model_config(options: ModelOptions, vocab_size: int | None = None) -> ModelConfig:
-    """The config of a new model: the preset, reshaped by --hidden_size / --num_hidden_layers / --max_seq_len,
-    with the tokenizer's vocabulary (None: the preset's)."""
+    """The config of a new model: the preset, reshaped by --hidden_size / --num_hidden_layers / --max_seq_len and
+    the mixture-of-experts flags, with the tokenizer's vocabulary (None: the preset's)."""
     extra: dict[str, Any] = {} if vocab_size is None else {"vocab_size": vocab_size}  # the tokenizer actually used
-    if options.dropout is not None:
-        extra["dropout"] = options.dropout
+    for name in (*ModelOptions.SHAPE_FLAGS[3:], *ModelOptions.TRAINING_FLAGS):
+        if getattr(options, name) is not None:
+            extra[name] = getattr(options, name)
+    if options.num_experts_per_tok == 1 and options.norm_topk_prob is None:
+        extra["norm_topk_prob"] = False  # top-1 is Switch-style: the default that works
     return reshape_preset(options.preset or DEFAULT_PRESET, options.hidden_size, options.num_hidden_layers,
                           options.max_seq_len, **extra)
 
@@ -106,15 +110,17 @@ def new_model_config(options: ModelOptions, vocab_size: int | None = None) -> Mo
 def check_resumed_model(options: ModelOptions, saved: ModelConfig, run_dir: Path) -> None:
     """ConfigError when model flags given with --resume describe another model than the run being resumed
     (they cannot take effect). Flags that agree with it are fine: Slurm requeues repeat the whole command."""
-    given = [k for k in (*ModelOptions.SHAPE_FLAGS, "dropout") if getattr(options, k) is not None]
+    given = [k for k in (*ModelOptions.SHAPE_FLAGS, *ModelOptions.TRAINING_FLAGS) if getattr(options, k) is not None]
     if not given:
         return
-    described = new_model_config(options, saved.vocab_size)
-    if options.dropout is None:
-        described.dropout = saved.dropout
-    differ = {k: (v, getattr(saved, k)) for k, v in architecture(described).items() if getattr(saved, k) != v}
-    if described.dropout != saved.dropout:
-        differ["dropout"] = (described.dropout, saved.dropout)
+    differ = {}
+    if any(getattr(options, k) is not None for k in ModelOptions.SHAPE_FLAGS):
+        described = new_model_config(options, saved.vocab_size)
+        differ = {k: (v, getattr(saved, k)) for k, v in architecture(described).items() if getattr(saved, k) != v}
+    for name in ModelOptions.TRAINING_FLAGS:
+        value = getattr(options, name)
+        if value is not None and value != getattr(saved, name):
+            differ[name] = (value, getattr(saved, name))
     if differ:
         what = ", ".join(f"{k} {new} (the run has {old})" for k, (new, old) in differ.items())
         raise ConfigError(f"{', '.join('--' + k for k in given)} cannot take effect with --resume: they describe "
@@ -149,8 +155,8 @@ class Session:
 
         # prompt files are read now: a missing or malformed one must not wait for the first evaluation
         ev = config.eval
-        self.samples = read_prompt_file(ev.sample_prompts) if ev.sample_prompts.lower() != "none" else []
-        self.probes = read_probe_file(ev.probes) if ev.probes and ev.probes.lower() != "none" else []
+        self.samples = read_prompt_file(shipped_path(ev.sample_prompts)) if ev.sample_prompts.lower() != "none" else []
+        self.probes = read_probe_file(shipped_path(ev.probes)) if ev.probes and ev.probes.lower() != "none" else []
         if stage == "sft" and self.init_dir is None and self.resume_from is None:
             print("note: no --init_from; fine-tuning a randomly initialised model", file=sys.stderr)
         self.tokenizer = Tokenizer(config.data.tokenizer or self._default_tokenizer())
@@ -240,8 +246,10 @@ class Session:
             check_resumed_model(m, saved, self.run_dir)
             return saved
         if init_config is not None:
-            if m.dropout is not None:  # a training choice, not the shape: it takes effect on loaded weights too
-                init_config.dropout = m.dropout
+            for name in ModelOptions.TRAINING_FLAGS:  # training choices, not the shape: they apply to loaded weights
+                if getattr(m, name) is not None:
+                    setattr(init_config, name, getattr(m, name))
+            init_config.validate()
             return init_config
         return new_model_config(m, self.tokenizer.vocab_size)
 
@@ -302,6 +310,8 @@ class Trainer:
         if isinstance(self.objective, DPO):
             self._prepare_reference()
         self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
+        # a mixture of experts: its routers' balancing losses and load statistics (trainer_utils/routing.py)
+        self.router = RouterBalance(self.model.config, self.backend, self.device) if self.model.config.moe else None
         forward_model = torch.compile(self.model) if c.model.compile else self.model
         self.forward_model = self.backend.wrap(forward_model, self.optimizer)
 
@@ -426,7 +436,8 @@ class Trainer:
     # ------------------------------------------------------------------------- train
     def train_step(self, micro: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
         """Forward/backward every micro-batch, then one optimizer step; returns the summed loss (the objective's
-        metrics, summed too, are left in self.step_metrics).
+        metrics, summed too, are left in self.step_metrics). A mixture of experts adds its routers' losses,
+        normalised over the step's input tokens (self.router.start_step), and logged apart from the loss.
 
         Gradients are of sum(unit losses) / n_valid. A step with no target anywhere (n_valid == 0) has
         nothing to learn from, yet an optimizer step would still apply weight decay and momentum. Its gradients
@@ -443,6 +454,8 @@ class Trainer:
             with contextlib.nullcontext() if last else self.backend.no_sync(self.forward_model):
                 out = self.objective(self.forward_model, batch, self.precision.autocast)
                 loss = out.loss * scale + (poison * self.empty_step_anchor.sum() if last else 0.0)
+                if out.router is not None:
+                    loss = loss + self.router.loss(out.router)
                 self.backend.backward(loss)
             loss_sum += out.loss.detach()
             for k, v in out.metrics.items():
@@ -531,13 +544,20 @@ class Trainer:
         micro, n_input = feeder.next_step()
         self.window["wait"] += time.perf_counter() - t_wait
         n_local = sum(self.objective.count(batch) for batch in micro).double()
-        # the valid targets of the whole step, over all ranks, normalise the loss
-        n_valid = self.backend.all_reduce_sum(n_local.clone()) if self.backend.world_size > 1 else n_local
+        # the valid targets of the whole step, over all ranks, normalise the loss (and its input tokens, the
+        # routers' losses)
+        totals = torch.stack([n_local, torch.tensor(float(sum(b[0].numel() for b in micro)), device=self.device,
+                                                    dtype=torch.float64)])
+        n_valid, n_routed = self.backend.all_reduce_sum(totals) if self.backend.world_size > 1 else totals
+        if self.router is not None:
+            self.router.start_step(n_routed)
         try:
             loss_sum = self.train_step(micro, n_valid.float())
             grad_norm, applied = self.backend.step()
         except torch.cuda.OutOfMemoryError:
             raise TrainingError(OOM_HELP) from None
+        if self.router is not None:
+            self.router.end_step(self.model, applied)
         self.step += 1
         self.cursor = feeder.cursor
         self.scheduler.step()
@@ -752,6 +772,8 @@ class Trainer:
                   "tokens_per_s": round(tokens / elapsed), "step_time_s": round(elapsed / max(w["steps"], 1), 4),
                   "data_wait_frac": round(w["wait"] / elapsed, 4), "tokens_seen": self.tokens_seen,
                   "skipped_steps": self.skipped}
+        if self.router is not None:
+            record.update(self.router.record())
         if self.peak is not None:
             record["mfu"] = round(self.flops_per_token * tokens / elapsed / (self.peak * self.backend.world_size), 4)
         if self.device.type == "cuda":

@@ -38,8 +38,9 @@ def peak_flops(device: torch.device) -> float | None:
 def flops_per_token(config: "ModelConfig", seq_len: int) -> float:
     """Training FLOPs per token (PaLM appendix B): 6 per weight that multiplies an activation, plus
     12·L·d·T for the attention scores. The output projection counts even when it is tied to the embedding:
-    at vocab 6400 it is ~15% of the 26M model's matmul work, while the input lookup costs nothing."""
-    matmul_weights = config.num_parameters(non_embedding=True) + config.vocab_size * config.hidden_size
+    at vocab 6400 it is ~15% of the 26M model's matmul work, while the input lookup costs nothing. A mixture of
+    experts counts the experts a token uses (active parameters), not all of them."""
+    matmul_weights = config.num_parameters(non_embedding=True, active=True) + config.vocab_size * config.hidden_size
     return 6 * matmul_weights + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 

@@ -10,6 +10,8 @@ big batch, and a micro-batch with nothing to learn adds exactly 0.
     DPO               direct preference optimisation over (chosen, rejected) pairs, against the reference
                       model's log-probabilities computed once before training; count = pairs
 Frozen helpers (the teacher, the reference log-probabilities) belong to the objective; the loop never sees them.
+A mixture-of-experts model's routers report beside the logits (StepOutput.router); the loop adds their balancing
+losses (trainer_utils/routing.py), whatever the objective.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dataset.tokenizer import IGNORE_INDEX
+from model.model import RouterStats
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, targets, ...) as the dataset's batch() returns it
 Autocast = Callable[[], contextlib.AbstractContextManager]
@@ -28,10 +31,17 @@ Autocast = Callable[[], contextlib.AbstractContextManager]
 
 @dataclass
 class StepOutput:
-    """A micro-batch's summed loss, and metrics summed over the same units (the loop averages them per unit)."""
+    """A micro-batch's summed loss, and metrics summed over the same units (the loop averages them per unit);
+    for a mixture-of-experts model, what its routers did."""
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    router: RouterStats | None = None
+
+
+def trained_forward(forward: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats | None]:
+    """The logits of the model being trained, and its routers' statistics (None for a dense model)."""
+    return forward(x, return_router=True)
 
 
 class Objective:
@@ -70,10 +80,10 @@ class LanguageModeling(Objective):
     def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
         x, y = batch[0], batch[1]
         with autocast():
-            logits = forward(x)
+            logits, router = trained_forward(forward, x)
         # reduction="sum": a micro-batch without targets adds exactly 0 (a mean would be 0/0 = NaN)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        return StepOutput(loss)
+        return StepOutput(loss, router=router)
 
 
 class Distillation(Objective):
@@ -94,11 +104,13 @@ class Distillation(Objective):
     def count(self, batch: Batch) -> torch.Tensor:
         return (batch[1] != IGNORE_INDEX).sum()
 
-    def parts(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed cross-entropy on the labels, summed KL from the teacher) over the target tokens."""
+    def parts(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast
+              ) -> tuple[torch.Tensor, torch.Tensor, RouterStats | None]:
+        """(summed cross-entropy on the labels, summed KL from the teacher, the student's routers) over the
+        target tokens."""
         x, y = batch[0], batch[1]
         with autocast():
-            logits = forward(x)
+            logits, router = trained_forward(forward, x)
             with torch.no_grad():
                 teacher_logits = self.teacher(x)
         ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -108,15 +120,15 @@ class Distillation(Objective):
         kl_per_token = (log_teacher.exp() * (log_teacher - log_student)).sum(-1)
         # a product with the mask, not indexing by it: no host sync to count the targets
         kl = (kl_per_token * (y != IGNORE_INDEX)).sum()
-        return ce, kl
+        return ce, kl, router
 
     def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
-        ce, kl = self.parts(forward, batch, autocast)
+        ce, kl, router = self.parts(forward, batch, autocast)
         loss = self.alpha * ce + (1 - self.alpha) * self.temperature ** 2 * kl
-        return StepOutput(loss, {"ce": ce.detach(), "kl": kl.detach()})
+        return StepOutput(loss, {"ce": ce.detach(), "kl": kl.detach()}, router)
 
     def evaluate(self, model: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
-        ce, kl = self.parts(model, batch, autocast)
+        ce, kl, _ = self.parts(model, batch, autocast)
         return StepOutput(ce, {"kl": kl})
 
 
@@ -143,7 +155,7 @@ class DPO(Objective):
     def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
         x, y, reference = batch[0], batch[1], batch[2]
         with autocast():
-            logits = forward(x)
+            logits, router = trained_forward(forward, x)
         policy = token_log_probs(logits, y).sum(-1)  # (2B,): each row's answer
         b = x.shape[0] // 2
         chosen = self.beta * (policy[:b] - reference[:b].float())
@@ -154,7 +166,7 @@ class DPO(Objective):
         metrics = {"reward_accuracy": (margin > 0).float().sum(), "reward_margin": margin.sum(),
                    "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
                    "logp_chosen": policy[:b].sum(), "logp_rejected": policy[b:].sum()}
-        return StepOutput(loss.sum(), {k: v.detach() for k, v in metrics.items()})
+        return StepOutput(loss.sum(), {k: v.detach() for k, v in metrics.items()}, router)
 
 
 @torch.no_grad()
