@@ -6,6 +6,20 @@
 The export writes safetensors + config.json (+ generation_config.json and tokenizer files) directly, so it
 needs no `transformers` install and the result loads with AutoModelForCausalLM without remote code.
 
+Mixture-of-experts models (num_experts > 0) export to the transformers architecture that computes them exactly,
+with experts stored one tensor each as the Hub checkpoints are (what transformers and llama.cpp read):
+
+    MixtralForCausalLM        no shared experts and norm_topk_prob=true (Mixtral always renormalises the top-k)
+    Qwen2MoeForCausalLM       otherwise; Qwen2-MoE's shared expert is gated by sigmoid(w.x), so the export writes
+                              w = 0 (a gate of exactly 1/2) and doubles the shared down_proj; without shared
+                              experts it writes an all-zero shared expert of width 1, which adds exactly 0
+    Ernie4_5_MoeForCausalLM   a model whose router_bias is not zero (auxiliary-loss-free balancing): ERNIE 4.5's
+                              router adds such a bias when choosing experts, as PocketLM's does. It always
+                              renormalises the top-k, so a biased model with norm_topk_prob=false is refused.
+
+--from_hf imports all three back (refusing what PocketLM cannot compute: attention biases, sliding windows, dense
+layers among the MoE ones, a Qwen2-MoE shared expert with a non-zero gate, ...).
+
 LoRA runs (model/lora.py: adapters + a reference to their base):
 
     python -m model.convert --checkpoint out/<lora run> --out_dir hf_dir     # the merged model, as above
@@ -21,7 +35,9 @@ for the transformers export of their base (the directory lora.json names; the co
 --base_model is recorded as base_model_name_or_path (default: none). GPT-2-style models are supported too:
 transformers fuses their q, k and v into one c_attn, so their adapters become one c_attn adapter of rank
 r x (number of q/k/v targets) whose B is block-diagonal, which computes exactly the separate updates
-(rank_pattern and alpha_pattern keep peft's scale at alpha / r).
+(rank_pattern and alpha_pattern keep peft's scale at alpha / r). Mixture-of-experts models take adapters on
+their attention projections only (model/lora.py); for an ERNIE 4.5 export their q/k rows are reordered like the
+base's.
 """
 from __future__ import annotations
 
@@ -30,6 +46,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -74,10 +91,12 @@ def _gpt2_pairs(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
 
 
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename (and for GPT-2 fuse/transpose) PocketLM tensors into transformers' layout."""
+    """Rename (and for GPT-2 fuse/transpose, for MoE split per expert) PocketLM tensors into transformers' layout."""
     if cfg.style == "llama":
         return {(k if k == "lm_head.weight" else "model." + k): v for k, v in state.items()
                 if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    if cfg.style == "moe":
+        return _moe_to_hf_state(cfg, state, hf_model_type(cfg, has_router_bias(state)))
     # GPT-2: a model trained without biases exports zero biases, which computes exactly the same function.
     def get(name: str, like: str, size: int) -> torch.Tensor:
         return state[name] if name in state else torch.zeros(size, dtype=state[like].dtype)
@@ -100,10 +119,13 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of to_hf_state (transformers names -> PocketLM names)."""
+def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], model_type: str = "llama"
+                  ) -> dict[str, torch.Tensor]:
+    """Inverse of to_hf_state (transformers names -> PocketLM names); model_type is the source's (config.json)."""
     if cfg.style == "llama":
         return dict(state)  # read_state_dict already removed the "model." prefix
+    if cfg.style == "moe":
+        return _moe_from_hf_state(cfg, state, model_type)
     out = {}
     for ours, theirs, transpose in _gpt2_pairs(cfg):
         if theirs in state:
@@ -121,24 +143,173 @@ def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
+# ----------------------------------------------------------------- mixture of experts
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "ernie4_5_moe")
+# PocketLM's stacked expert tensors -> the per-expert names of the Hub checkpoints (transformers fuses them into
+# gate_up_proj / down_proj when loading, transformers/conversion_mapping.py).
+EXPERT_NAMES = {"mixtral": {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
+                "qwen2_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+                "ernie4_5_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}}
+SWIGLU = ("gate_proj", "up_proj", "down_proj")
+# Where each architecture keeps a layer's router and experts.
+MOE_BLOCK = {"mixtral": "block_sparse_moe.", "qwen2_moe": "mlp.", "ernie4_5_moe": "mlp."}
+ERNIE_BIAS = "moe_statics.e_score_correction_bias"
+
+
+def has_router_bias(state: dict[str, torch.Tensor]) -> bool:
+    """Whether any MoE layer of a PocketLM state dict chooses its experts with a non-zero routing bias."""
+    return any(bool(v.any()) for k, v in state.items() if k.endswith("mlp.router_bias"))
+
+
+def hf_model_type(cfg: ModelConfig, router_bias: bool = False) -> str:
+    """The transformers model_type that computes a model of `cfg` exactly (router_bias: whether its MoE routers
+    have a non-zero selection bias, which only the weights tell), or a ConfigError saying why none does."""
+    if cfg.style in ("llama", "gpt2"):
+        return cfg.style
+    if cfg.style != "moe":
+        raise ConfigError(f"no transformers class matches this architecture (norm={cfg.norm}, "
+                          f"position_embedding={cfg.position_embedding}, mlp={cfg.mlp}, bias={cfg.bias}); "
+                          "export supports the Llama style (rmsnorm/rope/swiglu, no bias; dense or mixture of "
+                          "experts) and the GPT-2 style (layernorm/learned/gelu)")
+    if router_bias:
+        if not cfg.norm_topk_prob:
+            raise ConfigError(
+                "this mixture-of-experts model chooses experts with a learned routing bias (router_bias, from "
+                "auxiliary-loss-free balancing) and weighs them without renormalising (norm_topk_prob=false); no "
+                "transformers architecture computes that: Mixtral and Qwen2-MoE routers have no selection bias, "
+                "and ERNIE 4.5's, which has one, always renormalises the top-k. Train with norm_topk_prob=true "
+                "(exports as Ernie4_5_MoeForCausalLM) or with router_bias_update_rate=0 (Mixtral / Qwen2-MoE)")
+        return "ernie4_5_moe"
+    return "mixtral" if cfg.num_shared_experts == 0 and cfg.norm_topk_prob else "qwen2_moe"
+
+
+def _interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a q or k projection (or of its LoRA B) reordered within each head from rotate_half's rotation pairs
+    (i, i + D/2) to the interleaved pairs (2i, 2i + 1) ERNIE 4.5 rotates. q and k get the same permutation, so every
+    attention score q.k is unchanged; v and o are untouched."""
+    return w.reshape(-1, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _rotate_half_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of _interleave_rope_rows."""
+    return w.reshape(-1, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _is_qk(name: str) -> bool:
+    return name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+
+
+def _moe_to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """PocketLM MoE tensors -> the Hub layout of `kind` (one of MOE_MODEL_TYPES)."""
+    out = {}
+    for name, v in state.items():  # attention, norms, embeddings: the Llama names
+        if ".mlp." in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if kind == "ernie4_5_moe" and _is_qk(name):
+            v = _interleave_rope_rows(v, cfg.head_dim)
+        out[name if name == "lm_head.weight" else "model." + name] = v
+    d = cfg.hidden_size
+    for i in range(cfg.num_hidden_layers):
+        ours, theirs = f"layers.{i}.mlp.", f"model.layers.{i}.{MOE_BLOCK[kind]}"
+        out[theirs + "gate.weight"] = state[ours + "gate.weight"]
+        for ours_name, their_name in EXPERT_NAMES[kind].items():
+            stacked = state[ours + "experts." + ours_name]
+            for j in range(cfg.num_experts):  # clones: safetensors refuses tensors that share storage
+                out[f"{theirs}experts.{j}.{their_name}.weight"] = stacked[j].clone()
+        shared = {p: state[f"{ours}shared_experts.{p}.weight"] for p in SWIGLU} if cfg.num_shared_experts else {}
+        if kind == "qwen2_moe":
+            gate = state[ours + "gate.weight"]
+            # sigmoid(0 . x) = 1/2 exactly, and 2 * down_proj is exact, so the gated expert computes ours
+            out[theirs + "shared_expert_gate.weight"] = torch.zeros(1, d, dtype=gate.dtype)
+            if not shared:  # the narrowest expert transformers builds, all zero: it adds exactly 0
+                shared = {"gate_proj": torch.zeros(1, d, dtype=gate.dtype),
+                          "up_proj": torch.zeros(1, d, dtype=gate.dtype),
+                          "down_proj": torch.zeros(d, 1, dtype=gate.dtype)}
+            else:
+                shared = {**shared, "down_proj": shared["down_proj"] * 2}
+            out.update({f"{theirs}shared_expert.{p}.weight": w for p, w in shared.items()})
+        elif kind == "ernie4_5_moe":
+            out.update({f"{theirs}shared_experts.{p}.weight": w for p, w in shared.items()})  # ungated, as ours
+            out[theirs + ERNIE_BIAS] = state[ours + "router_bias"].float().reshape(1, -1)
+    return out
+
+
+def _moe_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """Inverse of _moe_to_hf_state. Tensors left over or missing are reported by load_state_into."""
+    rest, out = dict(state), {}
+    for i in range(cfg.num_hidden_layers):
+        ours, theirs = f"layers.{i}.mlp.", f"layers.{i}.{MOE_BLOCK[kind]}"
+        if theirs + "gate.weight" in rest:
+            out[ours + "gate.weight"] = rest.pop(theirs + "gate.weight")
+        for ours_name, their_name in EXPERT_NAMES[kind].items():
+            names = [f"{theirs}experts.{j}.{their_name}.weight" for j in range(cfg.num_experts)]
+            if all(n in rest for n in names):
+                out[ours + "experts." + ours_name] = torch.stack([rest.pop(n) for n in names])
+        if kind == "qwen2_moe":
+            rest.pop(theirs + "shared_expert_gate.weight", None)  # zero: from_hf_config refuses any other
+            for p in SWIGLU:
+                w = rest.pop(f"{theirs}shared_expert.{p}.weight", None)
+                if w is not None and cfg.num_shared_experts:  # else all zero (from_hf_config): adds nothing
+                    out[f"{ours}shared_experts.{p}.weight"] = w / 2 if p == "down_proj" else w  # undo the gate's 1/2
+        if kind == "ernie4_5_moe":
+            for p in SWIGLU:
+                if f"{theirs}shared_experts.{p}.weight" in rest:
+                    out[f"{ours}shared_experts.{p}.weight"] = rest.pop(f"{theirs}shared_experts.{p}.weight")
+            if theirs + ERNIE_BIAS in rest:
+                out[ours + "router_bias"] = rest.pop(theirs + ERNIE_BIAS).reshape(-1)
+        else:  # Mixtral and Qwen2-MoE choose by probability alone
+            out[ours + "router_bias"] = torch.zeros(cfg.num_experts)
+    for name, v in rest.items():
+        out[name] = _rotate_half_rows(v, cfg.head_dim) if kind == "ernie4_5_moe" and _is_qk(name) else v
+    return out
+
+
 # ---------------------------------------------------------------------- config mapping
-def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict[str, int]) -> dict:
-    """A transformers config.json dict for cfg; token ids come from the tokenizer shipped alongside."""
+def _decoder_config(cfg: ModelConfig) -> dict:
+    """The config.json fields a Llama-family decoder (GQA attention, rotate_half RoPE, RMSNorm) shares."""
+    return {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "attention_dropout": 0.0}
+
+
+def _moe_config(cfg: ModelConfig, kind: str) -> dict:
+    """The config.json fields of `kind` (one of MOE_MODEL_TYPES) for a PocketLM MoE model."""
+    E, k, f, S = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.num_shared_experts
+    # The same coefficient, passed as is, though transformers' balancing loss is k (num_experts_per_tok) when the
+    # load is perfectly balanced where PocketLM's is 1: training in transformers weighs it k times more.
+    moe = {"router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False}
+    if kind == "mixtral":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": kind, **moe, "head_dim": cfg.head_dim,
+                "intermediate_size": f, "num_local_experts": E, "num_experts_per_tok": k, "sliding_window": None,
+                "router_jitter_noise": 0.0}
+    if kind == "qwen2_moe":
+        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": kind, **moe,
+                "intermediate_size": cfg.intermediate_size,  # the width of dense layers, of which there are none
+                "moe_intermediate_size": f, "num_experts": E, "num_experts_per_tok": k,
+                "norm_topk_prob": cfg.norm_topk_prob, "shared_expert_intermediate_size": S * f or 1,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": False, "use_sliding_window": False}
+    return {"architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": kind, **moe,
+            "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": f, "moe_num_experts": E,
+            "moe_k": k, "moe_num_shared_experts": S, "moe_layer_start_index": 0,
+            "moe_layer_end_index": cfg.num_hidden_layers - 1, "moe_layer_interval": 1, "use_bias": False}
+
+
+def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict[str, int], router_bias: bool = False) -> dict:
+    """A transformers config.json dict for cfg; token ids come from the tokenizer shipped alongside. router_bias:
+    whether the model's MoE routers have a non-zero selection bias (has_router_bias of its weights)."""
+    kind = hf_model_type(cfg, router_bias)
     eos = [token_ids[t] for t in ("<|im_end|>", "<|endoftext|>") if t in token_ids]
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_word_embeddings,
               "initializer_range": cfg.initializer_range, "torch_dtype": str(dtype).removeprefix("torch."),
               "bos_token_id": token_ids.get("<|im_start|>"), "eos_token_id": eos or None,
               "pad_token_id": token_ids.get("<|endoftext|>")}
-    if cfg.style == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-                "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-                "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-                "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
-                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
-    if cfg.style == "gpt2":
+    if kind == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **_decoder_config(cfg),
+                "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim,
+                "attention_bias": False, "mlp_bias": False}
+    if kind == "gpt2":
         if cfg.num_key_value_heads != cfg.num_attention_heads:
             raise ConfigError("GPT-2 has no grouped-query attention: export needs num_key_value_heads == "
                               f"num_attention_heads, got {cfg.num_key_value_heads} and {cfg.num_attention_heads}")
@@ -148,35 +319,48 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict[str, int]
                 "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
-    raise ConfigError(f"no transformers class matches this architecture (norm={cfg.norm}, "
-                      f"position_embedding={cfg.position_embedding}, mlp={cfg.mlp}, bias={cfg.bias}); "
-                      "export supports the Llama style (rmsnorm/rope/swiglu, no bias) and the GPT-2 style "
-                      "(layernorm/learned/gelu)")
+    moe = _moe_config(cfg, kind)
+    return {**{k: moe.pop(k) for k in ("architectures", "model_type")}, **common, **_decoder_config(cfg), **moe}
 
 
-def from_hf_config(hf: dict, source: str) -> ModelConfig:
-    """A ModelConfig equivalent to a transformers Llama or GPT-2 config.json, or a ConfigError saying why not."""
+# transformers' defaults for keys a config.json may leave out, per model type:
+# (rms_norm_eps, rope_theta, max_position_embeddings, tie_word_embeddings)
+HF_DEFAULTS = {"llama": (1e-6, 1e4, 2048, False), "mixtral": (1e-5, 1e6, 131072, False),
+               "qwen2_moe": (1e-6, 1e4, 32768, False), "ernie4_5_moe": (1e-5, 5e5, 131072, True)}
+
+
+def _decoder_fields(hf: dict, need: Callable[[bool, str], None]) -> dict:
+    """ModelConfig fields of a Llama-family transformers config (GQA attention, plain RoPE, RMSNorm, SiLU)."""
+    eps, theta, max_pos, tie = HF_DEFAULTS[hf["model_type"]]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    need(rope.get("rope_type", rope.get("type", "default")) == "default",
+         f"rope scaling {rope} (only plain RoPE is implemented)")
+    need(hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')} (expected silu)")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    need(hf.get("head_dim") in (None, d // heads), f"head_dim={hf.get('head_dim')} != hidden/heads")
+    max_pos = hf.get("max_position_embeddings", max_pos)
+    return dict(vocab_size=hf["vocab_size"], hidden_size=d, num_hidden_layers=hf["num_hidden_layers"],
+                num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                max_position_embeddings=max_pos, max_seq_len=min(max_pos, 2048),
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", theta))),
+                norm_eps=hf.get("rms_norm_eps", eps), tie_word_embeddings=hf.get("tie_word_embeddings", tie),
+                initializer_range=hf.get("initializer_range", 0.02))
+
+
+def from_hf_config(hf: dict, source: str, state: dict[str, torch.Tensor] | None = None) -> ModelConfig:
+    """A ModelConfig equivalent to a transformers Llama, GPT-2, Mixtral, Qwen2-MoE or ERNIE 4.5 MoE config.json,
+    or a ConfigError saying why not. state (the weights, names without "model."): what only they tell, whether a
+    Qwen2-MoE shared expert is gated (refused) or all zero (no shared experts)."""
     def need(cond: bool, what: str) -> None:
         if not cond:
             raise ConfigError(f"{source}: unsupported {hf.get('model_type')} config: {what}")
 
     kind = hf.get("model_type")
     if kind == "llama":
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        need(rope.get("rope_type", rope.get("type", "default")) == "default",
-             f"rope scaling {rope} (only plain RoPE is implemented)")
-        need(hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')} (expected silu)")
         need(not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention/mlp biases")
-        d, heads = hf["hidden_size"], hf["num_attention_heads"]
-        need(hf.get("head_dim") in (None, d // heads), f"head_dim={hf.get('head_dim')} != hidden/heads")
-        max_pos = hf.get("max_position_embeddings", 2048)
-        return ModelConfig(
-            vocab_size=hf["vocab_size"], hidden_size=d, num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            intermediate_size=hf["intermediate_size"], max_position_embeddings=max_pos,
-            max_seq_len=min(max_pos, 2048), rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e4))),
-            norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            initializer_range=hf.get("initializer_range", 0.02))
+        return ModelConfig(**_decoder_fields(hf, need), intermediate_size=hf["intermediate_size"])
+    if kind in MOE_MODEL_TYPES:
+        return _moe_from_hf_config(hf, need, state)
     if kind == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         need(act in GPT2_TANH_GELUS, f"activation_function={act} (expected one of {GPT2_TANH_GELUS})")
@@ -190,7 +374,64 @@ def from_hf_config(hf: dict, source: str) -> ModelConfig:
             norm_eps=hf.get("layer_norm_epsilon", 1e-5), tie_word_embeddings=hf.get("tie_word_embeddings", True),
             initializer_range=hf.get("initializer_range", 0.02),
             norm="layernorm", position_embedding="learned", mlp="gelu", bias=True)
-    raise ConfigError(f"{source}: model_type {kind!r} is not supported; expected 'llama' or 'gpt2'")
+    raise ConfigError(f"{source}: model_type {kind!r} is not supported; expected one of "
+                      f"{['llama', 'gpt2', *MOE_MODEL_TYPES]}")
+
+
+def _moe_from_hf_config(hf: dict, need: Callable[[bool, str], None],
+                        state: dict[str, torch.Tensor] | None) -> ModelConfig:
+    """from_hf_config for MOE_MODEL_TYPES (transformers' defaults for absent keys)."""
+    kind, fields = hf["model_type"], _decoder_fields(hf, need)
+    every_layer = "dense MLP layers among the MoE ones ({}); PocketLM's num_experts makes every layer a mixture"
+    if kind == "mixtral":
+        window = hf.get("sliding_window")
+        need(window is None or window >= fields["max_position_embeddings"],
+             f"sliding_window={window} (PocketLM attends to the whole context)")
+        # router_jitter_noise only acts in training. Mixtral has no dense MLP width: intermediate_size is left to
+        # PocketLM's default for this hidden size, which keeps a preset's shape recognisable after a round trip.
+        E, k, f = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2), hf.get("intermediate_size", 14336)
+        norm, shared, dense = True, 0, None
+    elif kind == "qwen2_moe":
+        need(not hf.get("qkv_bias", True), "qkv_bias=true (PocketLM's attention has no biases)")
+        need(not hf.get("use_sliding_window") and all(t == "full_attention" for t in hf.get("layer_types") or []),
+             "sliding-window attention (PocketLM attends to the whole context)")
+        need(hf.get("decoder_sparse_step", 1) == 1 and not hf.get("mlp_only_layers"),
+             every_layer.format(f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, "
+                                f"mlp_only_layers={hf.get('mlp_only_layers')}"))
+        E, k, f = hf.get("num_experts", 60), hf.get("num_experts_per_tok", 4), hf.get("moe_intermediate_size", 1408)
+        norm, dense = hf.get("norm_topk_prob", False), hf.get("intermediate_size", 5632)
+        shared = _qwen2_moe_shared_experts(hf, f, need, state)
+    else:  # ernie4_5_moe
+        need(not hf.get("use_bias"), "use_bias=true (PocketLM's projections have no biases)")
+        start, end, step = (hf.get("moe_layer_start_index", 1), hf.get("moe_layer_end_index", -1),
+                            hf.get("moe_layer_interval", 1))
+        need(start == 0 and step == 1 and (end == -1 or end >= fields["num_hidden_layers"] - 1),
+             every_layer.format(f"moe_layer_start_index={start}, moe_layer_end_index={end}, "
+                                f"moe_layer_interval={step}"))
+        E, k, f = hf.get("moe_num_experts", 64), hf.get("moe_k", 6), hf.get("moe_intermediate_size", 1536)
+        norm, shared, dense = True, hf.get("moe_num_shared_experts", 2), hf.get("intermediate_size", 12288)
+    need(E > 0, "no experts")
+    need(not (k == 1 and norm), "top-1 routing with renormalised weights (every chosen expert weighs exactly 1), "
+                                "which PocketLM refuses: norm_topk_prob with num_experts_per_tok=1 gives the router "
+                                "no gradient")
+    return ModelConfig(**fields, intermediate_size=dense, num_experts=E, num_experts_per_tok=k,
+                       num_shared_experts=shared, moe_intermediate_size=f, norm_topk_prob=norm,
+                       router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))  # see _moe_config
+
+
+def _qwen2_moe_shared_experts(hf: dict, f: int, need: Callable[[bool, str], None],
+                              state: dict[str, torch.Tensor] | None) -> int:
+    """num_shared_experts for a Qwen2-MoE config: its one shared expert, as wide as that many routed experts."""
+    width = hf.get("shared_expert_intermediate_size", 5632)
+    if state is not None:
+        need(not any(bool(v.any()) for k, v in state.items() if k.endswith("mlp.shared_expert_gate.weight")),
+             "a non-zero shared_expert_gate: the shared expert's output is scaled per token by sigmoid(gate . x), "
+             "which PocketLM's ungated shared experts cannot compute")
+        if not any(bool(v.any()) for k, v in state.items() if ".mlp.shared_expert." in k):
+            return 0  # an all-zero shared expert adds nothing (what the export writes for no shared experts)
+    need(width % f == 0, f"shared_expert_intermediate_size={width} is not a multiple of moe_intermediate_size={f}: "
+                         "PocketLM's shared experts are num_shared_experts experts of moe_intermediate_size each")
+    return width // f
 
 
 # ----------------------------------------------------------------------------- drivers
@@ -202,11 +443,15 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, config: ModelConfig |
     model, model_dir = load_model(checkpoint, config=config)
     cfg = model.config
     token_ids = special_token_ids(model_dir)
-    hf_config = to_hf_config(cfg, dtype, token_ids)  # validates exportability before anything is written
-    state = {k: v.to(dtype).contiguous() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    # validates exportability before anything is written
+    hf_config = to_hf_config(cfg, dtype, token_ids, router_bias=has_router_bias(state))
+    # ERNIE's routing bias stays fp32, as transformers keeps it: it decides close calls between experts
+    tensors = {k: (v if k.endswith(ERNIE_BIAS) else v.to(dtype)).contiguous()
+               for k, v in to_hf_state(cfg, state).items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf_state(cfg, state), str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
     generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                   if hf_config[k] is not None}
@@ -216,7 +461,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, config: ModelConfig |
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write a PocketLM model directory from a transformers Llama/GPT-2 directory of matching architecture."""
+    """Write a PocketLM model directory from a transformers Llama, GPT-2, Mixtral, Qwen2-MoE or ERNIE 4.5 MoE
+    directory of an architecture PocketLM computes."""
     from .loading import load_state_into
 
     hf_dir = Path(hf_dir)
@@ -229,10 +475,6 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
-    try:
-        cfg = from_hf_config(hf_config, str(config_path))
-    except KeyError as e:
-        raise ConfigError(f"{config_path}: missing key {e}") from None
     state: dict[str, torch.Tensor] = {}
     shards = sorted(hf_dir.glob("*.safetensors")) or sorted(hf_dir.glob("pytorch_model*.bin"))
     if not shards:
@@ -240,8 +482,12 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     for shard in shards:
         # read_state_dict strips Llama's "model." prefix; GPT-2's "transformer." names pass through
         state.update({k: v.float() for k, v in read_state_dict(shard).items()})
+    try:
+        cfg = from_hf_config(hf_config, str(config_path), state)  # the weights settle Qwen2-MoE's shared expert
+    except KeyError as e:
+        raise ConfigError(f"{config_path}: missing key {e}") from None
     model = PocketLM(cfg)
-    load_state_into(model, from_hf_state(cfg, state), str(hf_dir))
+    load_state_into(model, from_hf_state(cfg, state, hf_config.get("model_type", "")), str(hf_dir))
     return save_model(model, out_dir, tokenizer_dir=hf_dir)
 
 
@@ -274,11 +520,14 @@ def merge_lora_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: to
     return out
 
 
-def to_peft_state(cfg: ModelConfig, spec: LoraSpec, state: dict[str, torch.Tensor]
+def to_peft_state(cfg: ModelConfig, spec: LoraSpec, state: dict[str, torch.Tensor], router_bias: bool = False
                   ) -> tuple[dict[str, torch.Tensor], list[str], dict[str, int], dict[str, float]]:
     """PocketLM adapter tensors -> (peft tensors, target_modules, rank_pattern, alpha_pattern) for the
-    transformers export of a model of `cfg`."""
-    if cfg.style == "llama":  # same module names, under LlamaForCausalLM's "model."
+    transformers export of a model of `cfg` (router_bias: whether the base's MoE routers have a selection bias)."""
+    if cfg.style in ("llama", "moe"):  # same module names, under the transformers model's "model."
+        if hf_model_type(cfg, router_bias) == "ernie4_5_moe":  # B's rows follow the base's q/k rows
+            state = {k: _interleave_rope_rows(v, cfg.head_dim) if _is_qk(k.replace(".lora_B", "")) else v
+                     for k, v in state.items()}
         return {PEFT_PREFIX + "model." + k: v for k, v in state.items()}, sorted(spec.targets), {}, {}
     # GPT-2: q, k, v share one fused c_attn (rows q | k | v). Stacking their A's and placing their B's on a block
     # diagonal gives one adapter of rank n * r whose update is exactly the n separate updates, rows in place.
@@ -313,16 +562,19 @@ def export_peft(checkpoint: str | Path, peft_dir: str | Path, base_model: str | 
     from safetensors.torch import save_file
 
     model_dir = _lora_dir(checkpoint, "--peft_dir")
-    spec, _ = read_lora_config(model_dir)
+    spec, base = read_lora_config(model_dir)
     try:
         cfg = ModelConfig.load(model_dir / CONFIG_NAME)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    to_hf_config(cfg, dtype, {})  # the base must be exportable (refuses custom styles, GPT-2 with GQA)
+    # the base's weights choose a MoE model's transformers architecture
+    router_bias = cfg.moe and _base_has_router_bias(Path(base["path"]) / WEIGHTS_NAME)
+    to_hf_config(cfg, dtype, {}, router_bias)  # the base must be exportable (refuses custom styles, GPT-2 with GQA)
     adapters = model_dir / ADAPTER_WEIGHTS_NAME
     state = read_state_dict(adapters)
     check_lora_state(adapter_shapes(cfg, spec), state, str(adapters))
-    tensors, modules, ranks, alphas = to_peft_state(cfg, spec, {k: v.float() for k, v in state.items()})
+    tensors, modules, ranks, alphas = to_peft_state(cfg, spec, {k: v.float() for k, v in state.items()},
+                                                    router_bias)
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": modules,
@@ -338,12 +590,24 @@ def export_peft(checkpoint: str | Path, peft_dir: str | Path, base_model: str | 
     return out
 
 
+def _base_has_router_bias(weights: Path) -> bool:
+    """has_router_bias of a model.safetensors, reading only the router_bias tensors."""
+    from safetensors import safe_open
+
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: no such file; the adapters' base must be present to tell which "
+                              "transformers architecture its mixture-of-experts layers export to")
+    with safe_open(str(weights), "pt") as f:
+        return any(bool(f.get_tensor(k).any()) for k in f.keys() if k.endswith("mlp.router_bias"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="PocketLM run dir, model dir, or weights file (.safetensors/.pth); a LoRA "
                                           "run exports merged")
-    src.add_argument("--from_hf", help="transformers Llama or GPT-2 directory to import")
+    src.add_argument("--from_hf", help="transformers directory to import (Llama, GPT-2, Mixtral, Qwen2-MoE or "
+                                       "ERNIE 4.5 MoE)")
     src.add_argument("--merge_lora", metavar="RUN_OR_DIR",
                      help="LoRA run or checkpoint: write its merged weights as a plain PocketLM dir to --out_dir")
     p.add_argument("--out_dir", help="output directory (all modes but --peft_dir)")
@@ -372,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config = get_preset(args.preset) if args.preset else ModelConfig.load(args.config) if args.config else None
             out = export_hf(args.checkpoint, args.out_dir, config=config, dtype=dtype)
-            print(f"wrote transformers model to {out} (load with AutoModelForCausalLM.from_pretrained)")
+            architecture = json.loads((out / CONFIG_NAME).read_text())["architectures"][0]  # MoE: chosen by weights
+            print(f"wrote transformers model to {out} ({architecture}; load with AutoModelForCausalLM.from_pretrained)")
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

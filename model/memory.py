@@ -63,7 +63,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -157,10 +157,80 @@ def fmt(n: int) -> str:
 def parameter_tensors(cfg: ModelConfig) -> int:
     """How many parameter tensors PocketLM(cfg) has (a tied lm_head counts once): AdamW keeps a step each."""
     norm = 2 if cfg.norm == "layernorm" and cfg.bias else 1
-    linears = 4 + (3 if cfg.mlp == "swiglu" else 2)
-    block = 2 * norm + linears * (2 if cfg.bias else 1)
+    biased = 2 if cfg.bias else 1
+    if cfg.moe:  # attention, the router, the three stacked expert tensors, the shared experts' MLP
+        block = 2 * norm + 4 * biased + 1 + 3 + (3 * biased if cfg.num_shared_experts else 0)
+    else:
+        linears = 4 + (3 if cfg.mlp == "swiglu" else 2)
+        block = 2 * norm + linears * biased
     return (1 + (cfg.position_embedding == "learned") + cfg.num_hidden_layers * block + norm
             + (not cfg.tie_word_embeddings))
+
+
+class MoEBlock(NamedTuple):
+    """What one mixture-of-experts MLP adds to its block (bytes for all N tokens; module docstring, "Mixture of
+    experts")."""
+
+    saved: int  # saved for backward, besides the post-attention norm's output (fp32) or its casts (autocast)
+    norm_output_readers: int  # linears that read the norm's output: the router, and the shared experts' gate, up
+    weights: int  # elements of its weights that a linear reads (autocast copies one a-byte copy of each)
+    cached_weights: int  # ... of them, those autocast caches: leaves (router, shared experts), not expert slices
+    working_set: int  # the largest moment of its backward, beyond the block's saved tensors and earlier gradients
+
+
+def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool) -> MoEBlock:
+    """The saved tensors and backward working set of model.model.MoE, traced op by op (module docstring)."""
+    d, E, k, f = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    fs = cfg.num_shared_experts * f  # the shared experts: one dense SwiGLU MLP this wide
+    autocast = a < 4
+    Nk = N * k  # (token, choice) pairs; an expert gets Nk / E of them when routing is balanced
+
+    # ---- saved in forward
+    # router: probs (softmax, fp32), the choices (int64, for the gather), the gathered weights and their sum
+    # (normalising division), and for the z-loss statistic the fp32 router logits and their logsumexp
+    router = 4 * E * N + 8 * Nk + ((4 * Nk + 4 * N) if cfg.norm_topk_prob else 0) + 4 * E * N + 4 * N
+    dispatch = 8 * Nk + 8 * Nk  # int64: the gather's order // k and the un-permuting inverse
+    # the tokens' copies in expert order: fp32, one tensor that the gate and up slices of each expert read;
+    # autocast: each of the two linears casts its slice anew (the fp32 gather itself is not kept)
+    gathered = (2 * a if autocast else 4) * d * Nk
+    experts = 4 * a * f * Nk  # SwiGLU: gate, silu(gate), up and their product, per (token, choice)
+    combine = a * d * Nk + a * Nk  # the un-permuted outputs and the gate weights (cast to their dtype)
+    shared = 4 * a * fs * N
+    saved = router + dispatch + gathered + experts + combine + shared
+    weights = d * E + 3 * E * f * d + 3 * d * fs
+    cached_weights = d * E + 3 * d * fs
+
+    # ---- backward. The gradient arriving from above (4d per token) is there throughout. The shared experts
+    # run first (their nodes are the newest): a dense MLP's working set inside them; after them their
+    # gradients stay (unless accumulated into existing ones) and so does their gradient of the norm output,
+    # waiting for the router's; their saved tensors and weight copies are gone.
+    incoming = 4 * d * N
+    shared_inside = shared_after = 0
+    if fs:
+        shared_inside = 4 * d * fs - (a * d * fs if autocast else 0) + 2 * a * fs * N
+        shared_after = ((0 if accumulating else 3 * 4 * d * fs) + 4 * d * N - shared
+                        - (2 * a * d * N + 3 * a * d * fs if autocast else 0))
+    # then the routed experts' combine: it frees the z-loss statistic's logits, and holds two (N, k, d)
+    # gradients (of the outputs and, summed next, of the gate weights; then the un-permute's)
+    stats = 4 * E * N + 4 * N
+    combine_moment = shared_after - stats + 2 * a * d * Nk
+    # then expert by expert, the last first. Each indexes its slice of a stacked weight, and the slice's
+    # gradient is a zero-filled fp32 tensor as large as the whole stack (E x f x d) with the slice copied in;
+    # the E of them are summed into one gradient per stack. The largest moment is the second expert's first
+    # weight gradient: the three stacks' sums exist, and the new zero-filled one beside them, with the slice's
+    # own gradient. By then the first expert's saved tensors are freed (and under autocast its weight copies,
+    # its casts of the gathered tokens, and the second's down weight copy); held: the gradient of the experts'
+    # outputs (a*d per pair), the first expert's gradient of its tokens (fp32) and the second's of its product
+    per_expert = 4 * a * f * Nk // E + ((2 * a * d * Nk // E + 4 * a * f * d) if autocast else 0)
+    transient = 4 * E * f * d + 4 * f * d if E > 1 else 0
+    expert_moment = (shared_after - stats - combine - 8 * Nk + a * d * Nk - per_expert
+                     + 4 * d * Nk // E + a * f * Nk // E + 3 * 4 * E * f * d + transient)
+    # after the experts: their saved tensors and copies are gone, their gradients complete; the tokens'
+    # gradients are joined from the experts' slices (the slices and their concatenation, fp32)
+    routed = gathered + experts + combine + 8 * Nk + (3 * a * E * f * d if autocast else 0)
+    after_moment = (shared_after - stats - routed + (0 if accumulating else 3 * 4 * E * f * d) + 2 * 4 * d * Nk)
+    working_set = incoming + max(shared_inside, combine_moment, expert_moment, after_moment)
+    return MoEBlock(saved, 1 + (2 if fs else 0), weights, cached_weights, working_set)
 
 
 def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str | torch.dtype = "float32",
@@ -191,16 +261,20 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
 
     parameters = gradients = 4 * P
     buffers = 2 * 4 * cfg.max_position_embeddings * cfg.head_dim if cfg.position_embedding == "rope" else 0
+    buffers += 4 * cfg.num_experts * L  # each MoE layer's routing bias (fp32)
     optimizer = 2 * 4 * P + 4 * parameter_tensors(cfg)
 
     # ---- saved for backward by one block (bytes for all N tokens)
     norm = N * (4 * d + 4 if cfg.norm == "rmsnorm" else 8)  # what a norm keeps besides its input
-    mlp_linears = 2 if swiglu else 1
+    accumulating = accumulation_steps > 1
+    moe = moe_block(cfg, N, a, accumulating) if cfg.moe else None
+    mlp_linears = moe.norm_output_readers if moe else 2 if swiglu else 1
     # fp32: one norm output shared by its linears; autocast: one a-byte copy per linear
     norm_outputs = a * d * N * (3 + mlp_linears) if autocast else 2 * 4 * d * N
     attention = 4 * a * d * N + 4 * H * N
-    mlp = (4 if swiglu else 2) * a * f * N
-    block_weights = 2 * d * d + 2 * d * kv + (3 if swiglu else 2) * d * f  # linear weights, biases aside
+    mlp = moe.saved if moe else (4 if swiglu else 2) * a * f * N
+    # linear weights, biases aside
+    block_weights = 2 * d * d + 2 * d * kv + (moe.weights if moe else (3 if swiglu else 2) * d * f)
     block_weight_copies = a * block_weights if autocast else 0
     block_input = 4 * d * N
     block = 2 * block_input + 2 * norm + norm_outputs + attention + mlp + block_weight_copies
@@ -221,11 +295,11 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
     final_norm_params = d * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     block_params = (cfg.num_parameters(non_embedding=True) - final_norm_params) // L
     head_grads = 4 * (V * d + final_norm_params)
-    accumulating = accumulation_steps > 1
     # inside the MLP's backward: the gradient arriving from above, down_proj's fp32 weight gradient (under
     # autocast its saved weight copy is released by then), and the gradients of silu(gate) and up (GELU: of its
-    # input); the gradient of the product replaces the product itself
-    block_working_set = block_input + 4 * d * f - (a * d * f if autocast else 0) + mlp_linears * a * f * N
+    # input); the gradient of the product replaces the product itself. A mixture of experts: moe_block.
+    block_working_set = (moe.working_set if moe else
+                         block_input + 4 * d * f - (a * d * f if autocast else 0) + mlp_linears * a * f * N)
 
     def block_backward(index: int) -> int:
         """Bytes beyond the persistent ones while backward is inside block `index` (0 = the first block)."""
@@ -235,7 +309,10 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
         return saved + grads + block_working_set
 
     # checkpointing under autocast: the forward leaves every block's cast weights in autocast's cache
-    cached_copies = L * block_weight_copies if grad_checkpointing else 0
+    # (a mixture of experts' slices of its stacked weights are no leaves: autocast casts them anew each time)
+    cached_block_copies = (block_weight_copies - a * (moe.weights - moe.cached_weights) if moe and autocast
+                           else block_weight_copies)
+    cached_copies = L * cached_block_copies if grad_checkpointing else 0
     earlier = gradients if accumulating else 0  # the earlier micro-batches' gradients
     moments = {
         "forward end": L * saved_per_block + head + logits + cached_copies + earlier,

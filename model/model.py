@@ -145,14 +145,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (silu(gate) * up -> down) for Llama style, or GELU (up -> gelu -> down) for GPT-2 style."""
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool | None = None) -> None:
         super().__init__()
         d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
+        bias = cfg.bias if bias is None else bias
         self.gated = cfg.mlp == "swiglu"
         if self.gated:
-            self.gate_proj = nn.Linear(d, f, bias=cfg.bias)
-        self.up_proj = nn.Linear(d, f, bias=cfg.bias)
-        self.down_proj = nn.Linear(f, d, bias=cfg.bias)
+            self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,8 +234,11 @@ class MoE(nn.Module):
         d = cfg.hidden_size
         self.gate = nn.Linear(d, cfg.num_experts, bias=False)  # the router (Mixtral / Qwen2-MoE name)
         self.experts = Experts(cfg.num_experts, d, cfg.moe_intermediate_size)
-        self.shared_experts = (MLP(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size)
-                               if cfg.num_shared_experts else None)  # S experts side by side are one S-times-wider MLP
+        # S experts side by side are one S-times-wider MLP. Without biases even when cfg.bias is set, like the
+        # routed experts: ModelConfig.num_parameters counts every expert as a bias-free SwiGLU (with cfg.bias the
+        # shared experts had biases and the closed-form count fell short of the module's).
+        self.shared_experts = (MLP(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size, bias=False)
+                               if cfg.num_shared_experts else None)
         # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores when choosing the
         # experts, never to the gate weights. The trainer nudges it after each step (router_bias_update_rate);
         # zero otherwise. Persistent: it is part of what the model computes.
