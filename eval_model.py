@@ -40,6 +40,7 @@ from model.inference import (
     token_byte_lengths,
 )
 from model.probes import Probe, read_prompt_file, run_probes
+from model.stats import RouterLoad
 from model.sweep import SettingResult, SweepReport, SweepSpec, parse_sweep, run_sweep
 
 DEFAULT_SWEEP_PROMPTS = Path(__file__).resolve().parent / "dataset" / "prompts" / "samples.txt"
@@ -71,7 +72,11 @@ class Evaluator:
         self.budget = self.model.config.max_position_embeddings - self.sampling.max_new_tokens
         seed = self.sampling.seed
         self.generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
-        print(f"loaded {model_dir} (stage {self.stage}, {self.model.num_parameters() / 1e6:.2f}M params, "
+        cfg = self.model.config
+        experts = (f", {cfg.num_parameters(active=True) / 1e6:.2f}M active: {cfg.num_experts} experts, top-"
+                   f"{cfg.num_experts_per_tok}" + (f" + {cfg.num_shared_experts} shared" if cfg.num_shared_experts
+                                                   else "")) if cfg.moe else ""
+        print(f"loaded {model_dir} (stage {self.stage}, {self.model.num_parameters() / 1e6:.2f}M params{experts}, "
               f"{device}, {str(dtype).removeprefix('torch.')})", file=sys.stderr)
 
     def complete(self, prompts: list[list[int]], stream: bool = False) -> list[str]:
@@ -177,12 +182,17 @@ class Evaluator:
             windows = pack_documents((self.tok.encode(t) + [self.tok.eot_id] for t in records), length)
         else:  # each conversation alone, scoring only assistant tokens (and their <|im_end|>)
             windows = (w for conv in records for w in split_windows(*self.tok.encode_chat(conv)[:2], length))
-        s = score_windows(self.model, windows, token_byte_lengths(self.tok.path, self.model.config.vocab_size))
+        router = RouterLoad(self.model) if self.model.config.moe else None  # how a MoE model routes this text
+        s = score_windows(self.model, windows, token_byte_lengths(self.tok.path, self.model.config.vocab_size),
+                          router=router)
         if report.total:
             note(report.summary())
         scope = "assistant tokens" if kind == "conversations" else "tokens"
         print(f"ppl {s.ppl:.4f} | bits/byte {s.bits_per_byte:.4f} | loss {s.loss:.6f} nats/token | "
               f"{s.tokens} {scope}, {s.bytes} bytes, {len(records)} records from {path}")
+        if router is not None:
+            router.close()
+            print("\n".join(router.lines()))
 
 
 @dataclass

@@ -23,6 +23,7 @@ from common.files import TRAIN_INFO_NAME
 
 from .generate import generate
 from .model import PocketLM
+from .stats import RouterLoad
 
 STAGES = ("pretrain", "sft")
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode shows for an incomplete multi-byte character
@@ -231,8 +232,10 @@ def pack_documents(docs: Iterable[Sequence[int]], length: int) -> Iterator[Windo
 
 @torch.inference_mode()
 def score_windows(model: PocketLM, windows: Iterable[Window], token_bytes: torch.Tensor,
-                  batch_size: int = 8, stats: PerplexityStats | None = None) -> PerplexityStats:
-    """Add each window's next-token NLL over its scored targets (and their bytes) to stats.
+                  batch_size: int = 8, stats: PerplexityStats | None = None,
+                  router: RouterLoad | None = None) -> PerplexityStats:
+    """Add each window's next-token NLL over its scored targets (and their bytes) to stats; a RouterLoad, when
+    given, sees which positions are real tokens.
 
     Windows of a batch are right-padded; with causal attention padding after a row's last id cannot change
     that row's logits, so no attention mask is needed.
@@ -248,6 +251,8 @@ def score_windows(model: PocketLM, windows: Iterable[Window], token_bytes: torch
             n = len(ids) - 1
             x[row, :n] = torch.tensor(ids[:-1])
             y[row, :n] = torch.where(torch.tensor(scored[1:]), torch.tensor(ids[1:]), IGNORE_INDEX)
+        if router is not None:
+            router.observe(torch.arange(width)[None] < torch.tensor([len(ids) - 1 for ids, _ in batch])[:, None])
         logits = model(x.to(device)).float()  # fp32 loss even for a bf16 model
         stats.nats += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), ignore_index=IGNORE_INDEX,
                                       reduction="sum").item()

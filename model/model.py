@@ -244,16 +244,21 @@ class MoE(nn.Module):
         # zero otherwise. Persistent: it is part of what the model computes.
         self.register_buffer("router_bias", torch.zeros(cfg.num_experts))
 
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router logits (N, E) -> probabilities (N, E), the chosen experts (N, k) and their gate weights (N, k)."""
+        probs = logits.float().softmax(-1)
+        choice = (probs + self.router_bias.float()).topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, choice)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return probs, choice, weights
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         B, T, d = x.shape
         flat = x.reshape(-1, d)
         N, k = flat.shape[0], self.top_k
         logits = self.gate(flat).float()  # softmax and choice in fp32, as Mixtral and Qwen2-MoE do
-        probs = logits.softmax(-1)
-        choice = (probs + self.router_bias.float()).topk(k, dim=-1).indices  # (N, k)
-        weights = probs.gather(-1, choice)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+        probs, choice, weights = self.route(logits)
 
         # dispatch: the N*k (token, choice) pairs in expert order
         expert_of = choice.flatten()
@@ -352,7 +357,11 @@ class PocketLM(nn.Module):
         MoE layer's underloaded experts by `rate` and lower the overloaded ones'; counts (L, E) is the step's
         load over every micro-batch and rank, so all ranks make the same update."""
         for layer, c in zip(self.layers, counts):
-            layer.mlp.router_bias += rate * torch.sign(c.mean() - c).to(layer.mlp.router_bias.dtype)
+            bias = layer.mlp.router_bias
+            bias += rate * torch.sign(c.mean() - c).to(bias.dtype)
+            # only differences between experts change a choice; centring keeps the biases from drifting (more
+            # experts below the mean than above would raise them all, step after step, until bf16 rounds them)
+            bias -= bias.mean()
 
     def _attention_mask(self, attention_mask: torch.Tensor | None, start: int, T: int,
                         device: torch.device) -> torch.Tensor | None:

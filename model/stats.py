@@ -164,3 +164,54 @@ def layer_stats(model: PocketLM, input_ids: torch.Tensor, attention_mask: torch.
                       attn_out_rms=scalars("attn_out_rms"), mlp_out_rms=scalars("mlp_out_rms"),
                       query_entropy_norm=[s["query_entropy_norm"].cpu() for s in per_layer],
                       token_rms=[s["token_rms"].cpu() for s in per_layer])
+
+
+class RouterLoad:
+    """How a mixture-of-experts model routes real text: per MoE layer, the tokens each expert received and the
+    router's mean entropy, over the non-padding tokens of every forward run while it watches.
+
+    Forward hooks on the routers (each layer's `mlp.gate`) re-run `MoE.route` on the logits they produce, so the
+    choice is the model's own and the forward is untouched; `observe(mask)` says which positions of the next
+    forward are real tokens.
+    """
+
+    def __init__(self, model: PocketLM) -> None:
+        cfg = model.config
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.counts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts, dtype=torch.float64)
+        self.entropy = torch.zeros(cfg.num_hidden_layers, dtype=torch.float64)
+        self.tokens = 0
+        self._real: torch.Tensor | None = None
+        self._handles = [layer.mlp.gate.register_forward_hook(self._hook(i, layer.mlp))
+                         for i, layer in enumerate(model.layers)]
+
+    def _hook(self, i: int, moe: nn.Module):
+        def hook(module: nn.Module, args: tuple, logits: torch.Tensor) -> None:
+            real = self._real.to(logits.device) if self._real is not None else slice(None)
+            probs, choice, _ = moe.route(logits[real])
+            self.counts[i] += torch.bincount(choice.flatten(), minlength=self.num_experts).double().cpu()
+            self.entropy[i] += float(-(probs * probs.clamp_min(1e-30).log()).sum())
+        return hook
+
+    def observe(self, real: torch.Tensor) -> None:
+        """The next forward's (B, T) mask of real (non-padding) tokens."""
+        self._real = real.flatten().bool()
+        self.tokens += int(self._real.sum())
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def load(self) -> torch.Tensor:
+        """(layers, experts): the fraction of the routing choices each expert received."""
+        return self.counts / self.counts.sum(-1, keepdim=True).clamp(min=1)
+
+    def lines(self) -> list[str]:
+        """One line per layer: the load of each expert, the most loaded one over the mean, the router entropy."""
+        out = [f"router load over {self.tokens} tokens (fraction of the top-{self.top_k} choices per expert; "
+               f"uniform = {1 / self.num_experts:.3f}, entropy at most ln {self.num_experts} = "
+               f"{torch.log(torch.tensor(float(self.num_experts))):.3f} nats):"]
+        for i, (row, h) in enumerate(zip(self.load().tolist(), (self.entropy / max(self.tokens, 1)).tolist())):
+            out.append(f"  layer {i}: {' '.join(f'{x:.3f}' for x in row)} | max/mean "
+                       f"{max(row) * self.num_experts:.2f} | entropy {h:.3f}")
+        return out

