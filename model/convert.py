@@ -290,6 +290,8 @@ def _moe_config(cfg: ModelConfig, kind: str) -> dict:
                 "moe_intermediate_size": f, "num_experts": E, "num_experts_per_tok": k,
                 "norm_topk_prob": cfg.norm_topk_prob, "shared_expert_intermediate_size": S * f or 1,
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": False, "use_sliding_window": False}
+    # ERNIE divides the chosen probabilities by max(their sum, moe_norm_min = 1e-12): our renormalisation, unless a
+    # routing bias picks experts whose probabilities sum below 1e-12.
     return {"architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": kind, **moe,
             "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": f, "moe_num_experts": E,
             "moe_k": k, "moe_num_shared_experts": S, "moe_layer_start_index": 0,

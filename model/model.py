@@ -215,8 +215,11 @@ class Experts(nn.Module):
 def use_grouped_mm(x: torch.Tensor) -> bool:
     """Grouped matmuls where PyTorch has them for the device: CUDA in bf16 (its backward is not available on
     CPU in PyTorch 2.13, and the kernel wants 16-byte aligned rows)."""
-    return (x.is_cuda and hasattr(F, "grouped_mm") and torch.get_autocast_dtype("cuda") == torch.bfloat16
-            and (x.dtype == torch.bfloat16 or torch.is_autocast_enabled("cuda")) and x.shape[-1] % 8 == 0)
+    if not (x.is_cuda and hasattr(F, "grouped_mm") and x.shape[-1] % 8 == 0):
+        return False
+    if torch.is_autocast_enabled("cuda"):  # the matmuls run in the autocast dtype
+        return torch.get_autocast_dtype("cuda") == torch.bfloat16
+    return x.dtype == torch.bfloat16  # a bf16 model without autocast (inference, serving)
 
 
 class MoE(nn.Module):
