@@ -48,10 +48,48 @@ It is the peak of a step after the first: from then on AdamW's state is there th
 first step's peak is no higher). With accumulation steps, the gradients are alive through every micro-batch
 after the first.
 
+A mixture of experts (cfg.moe: E routed experts of width e = moe_intermediate_size, k chosen per token, S shared)
+replaces the MLP's terms; the rest of the block and the moments are the same. P is the total (every expert), so
+parameters, gradients and AdamW state follow from it; each layer's routing bias is a buffer (4E bytes). What the
+portable path of model.model.MoE saves (CPU; CUDA outside bf16), per token:
+    router         4E + 8k        fp32 probabilities (softmax) and the chosen experts (int64, for the gather)
+                   + 4k + 4       norm_topk_prob: the chosen probabilities and their sum (the division)
+                   + 4E + 4       the fp32 router logits and their logsumexp, kept by the z-loss statistic that the
+                                  loop's router loss differentiates (with router_z_loss_coef 0 too)
+    norm output    fp32: 4d, shared as for a dense MLP. Autocast: a*d per linear reading it (the router, and the
+                   shared experts' gate and up)
+    dispatch       8k + 8k        int64: the gather's index (order // k) and the un-permuting inverse
+    token copies   fp32 4kd       the k copies in expert order (flat[order // k]); each expert's gate and up read
+                   autocast 2akd  its rows: under autocast each casts them anew and the fp32 gather is not kept
+    experts        4 * a*k*e      SwiGLU's gate, silu(gate), up and product for each (token, choice)
+    combine        a*kd + a*k     the un-permuted outputs and the gate weights cast to their dtype
+    shared         4 * a*S*e      a dense SwiGLU MLP S*e wide
+    weight copies  autocast, per block: a * (dE + 3Eed + 3dSe). An expert's weights are a slice of the stacked
+                   tensor (gate_proj[i], no leaf), which autocast casts at every call and never caches: under
+                   checkpointing only the router's and shared experts' copies stay in the cache
+None of this depends on the routing: the experts' rows add up to N*k however they are shared out.
+Backward inside the block: the gradient from above (4d per token) throughout, and the largest of
+    shared experts        first (their ops are the newest): a dense MLP's working set, width S*e. After them
+                          their weight gradients stay, and their fp32 gradient of the norm output (4d per token)
+                          until the router's joins it; their saved tensors and copies are freed
+    combine               2 * a*kd per token: the gradients of the expert outputs and of the gate weights
+    second expert's down  the experts run backward one by one, the last first. The gradient of a slice of a
+      weight gradient     stacked weight is a zero-filled fp32 tensor of the whole stack (4Eed) with the
+                          slice's gradient (4ed) copied in; the E of a stack are summed into one. Here the three
+                          stacks' sums (12Eed), a new zero-filled one and the slice's gradient are all there, and
+                          the un-permuted outputs' gradient (a*kd per token); the first expert's saved tensors are
+                          freed (and under autocast its weight copies and token casts, and this expert's down copy),
+                          its gradient of its rows is held (4d per row)
+The last assumes balanced routing, N*k/E rows per expert: each row more (fewer) that the first expert to run
+backward received lowers (raises) the peak by 4*a*e - 4d bytes. With 2 x 64 tokens on a random router, 30 to 80
+rows instead of 64: up to 0.5% of the 2-layer models' peaks.
+
 Not modelled, each well under 1% of the total for the presets: the autocast copies of the RoPE tables
 (O(seq_len) per block), checkpointing's saved RNG state, and oneDNN's scratch buffers for bf16 matmuls on CPU.
 Not covered: torch.compile (it fuses ops and saves less), DDP (gradient buckets add about one more copy of the
-gradients), DeepSpeed ZeRO (it shards the optimizer state) and dropout > 0.
+gradients), DeepSpeed ZeRO (it shards the optimizer state), dropout > 0, and the MoE's grouped-matmul path (CUDA
+with bf16 autocast; not measured: it casts each stack once and makes one gradient per stack, so its experts moment
+should be lower, without the zero-filled stacks).
 
 Checked against measured peaks (tests/test_memory.py; measure_step_peak profiles every allocation of one step
 on CPU): 2-layer models within 0.25% in fp32 and 3.5% in bf16; minimind-26m at batch 8 x 512 within 0.12%.
@@ -98,6 +136,11 @@ class MemoryEstimate:
     per_block: int  # saved by one block (checkpointed: its input)
     logits: int  # alive from the end of the forward until the loss is computed
     moments: dict[str, int]  # what the step holds beyond `persistent` at each moment that may be the peak
+    # a mixture of experts: experts per layer, chosen per token, shared; the parameters a token uses
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    active_parameters: int = 0
 
     @property
     def persistent(self) -> int:
@@ -114,8 +157,19 @@ class MemoryEstimate:
         return self.persistent + self.moments[self.peak_moment]
 
     @property
+    def experts_label(self) -> str:
+        """'8 experts, top-2 (+1 shared)' for a mixture of experts, '' for a dense model."""
+        if not self.experts:
+            return ""
+        return (f"{self.experts} experts, top-{self.experts_per_token}"
+                + (f" +{self.shared_experts} shared" if self.shared_experts else ""))
+
+    @property
     def label(self) -> str:
-        return (f"{self.name} ({self.num_parameters / 1e6:.2f}M parameters), batch {self.batch_size} x "
+        params = f"{self.num_parameters / 1e6:.2f}M parameters"
+        if self.experts:
+            params += f", {self.active_parameters / 1e6:.2f}M active per token: {self.experts_label}"
+        return (f"{self.name} ({params}), batch {self.batch_size} x "
                 f"{self.seq_len} tokens" + (f" x {self.accumulation_steps} accumulation steps"
                                             if self.accumulation_steps > 1 else "")
                 + (", float32" if self.dtype == "float32" else f", {self.dtype} autocast")
@@ -132,9 +186,16 @@ class MemoryEstimate:
         """The estimate as aligned lines of text (what `python -m model --estimate` prints)."""
         saved = (f"{self.blocks} block inputs x {fmt(self.per_block)} (blocks are recomputed in backward)"
                  if self.grad_checkpointing else f"{self.blocks} blocks x {fmt(self.per_block)}")
-        copies = f" (incl. {fmt(self.weight_copies)} of {self.dtype} weight copies)" if self.weight_copies else ""
-        rows = [("parameters", self.parameters, "fp32 master weights"),
-                *([("buffers", self.buffers, "RoPE cos/sin tables")] if self.buffers else []),
+        if self.experts and not self.grad_checkpointing:
+            saved += f" (each token's {self.experts_per_token} of {self.experts} experts)"
+        every = f", all {self.experts} experts of every layer" if self.experts else ""
+        every_expert = ", every expert's" if self.experts and not self.grad_checkpointing else ""
+        copies = (f" (incl. {fmt(self.weight_copies)} of {self.dtype} weight copies{every_expert})"
+                  if self.weight_copies else "")
+        buffers = " + ".join(["RoPE cos/sin tables"] * (self.buffers > 4 * self.experts * self.blocks)
+                             + ["routing biases"] * bool(self.experts))
+        rows = [("parameters", self.parameters, f"fp32 master weights{every}"),
+                *([("buffers", self.buffers, buffers)] if self.buffers else []),
                 ("gradients", self.gradients, "fp32, from backward to the optimizer step"),
                 ("AdamW state", self.optimizer, "exp_avg + exp_avg_sq, fp32"),
                 ("activations", self.activations, f"saved for backward: {saved} + final norm and loss{copies}"),
@@ -159,7 +220,7 @@ def parameter_tensors(cfg: ModelConfig) -> int:
     norm = 2 if cfg.norm == "layernorm" and cfg.bias else 1
     biased = 2 if cfg.bias else 1
     if cfg.moe:  # attention, the router, the three stacked expert tensors, the shared experts' MLP
-        block = 2 * norm + 4 * biased + 1 + 3 + (3 * biased if cfg.num_shared_experts else 0)
+        block = 2 * norm + 4 * biased + 1 + 3 + (3 if cfg.num_shared_experts else 0)  # only attention has biases
     else:
         linears = 4 + (3 if cfg.mlp == "swiglu" else 2)
         block = 2 * norm + linears * biased
@@ -220,16 +281,15 @@ def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool) -> MoEBlock:
     # weight gradient: the three stacks' sums exist, and the new zero-filled one beside them, with the slice's
     # own gradient. By then the first expert's saved tensors are freed (and under autocast its weight copies,
     # its casts of the gathered tokens, and the second's down weight copy); held: the gradient of the experts'
-    # outputs (a*d per pair), the first expert's gradient of its tokens (fp32) and the second's of its product
+    # outputs (a*d per pair) and the first expert's gradient of its tokens (fp32); the second's gradient of its
+    # product has taken the place of the product
     per_expert = 4 * a * f * Nk // E + ((2 * a * d * Nk // E + 4 * a * f * d) if autocast else 0)
-    transient = 4 * E * f * d + 4 * f * d if E > 1 else 0
-    expert_moment = (shared_after - stats - combine - 8 * Nk + a * d * Nk - per_expert
-                     + 4 * d * Nk // E + a * f * Nk // E + 3 * 4 * E * f * d + transient)
-    # after the experts: their saved tensors and copies are gone, their gradients complete; the tokens'
-    # gradients are joined from the experts' slices (the slices and their concatenation, fp32)
-    routed = gathered + experts + combine + 8 * Nk + (3 * a * E * f * d if autocast else 0)
-    after_moment = (shared_after - stats - routed + (0 if accumulating else 3 * 4 * E * f * d) + 2 * 4 * d * Nk)
-    working_set = incoming + max(shared_inside, combine_moment, expert_moment, after_moment)
+    transient = (4 * E * f * d if E > 1 else 0) + 4 * f * d
+    expert_moment = (shared_after - stats - combine - 8 * Nk + a * d * Nk - per_expert + 4 * d * Nk // E
+                     + 3 * 4 * E * f * d + transient)
+    # (after the experts, joining the tokens' gradients from the experts' slices takes 2 * 4d per pair; the
+    # experts moment held more: the gathered copies, the outputs' gradient and the zero-filled stack)
+    working_set = incoming + max(shared_inside, combine_moment, expert_moment)
     return MoEBlock(saved, 1 + (2 if fs else 0), weights, cached_weights, working_set)
 
 
@@ -324,7 +384,8 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
     }
     return MemoryEstimate(name or "model", P, L, batch_size, seq_len, dtype, grad_checkpointing, accumulation_steps,
                           parameters, buffers, gradients, optimizer, activations, weight_copies, saved_per_block,
-                          logits, moments)
+                          logits, moments, cfg.num_experts, cfg.num_experts_per_tok if moe else 0,
+                          cfg.num_shared_experts if moe else 0, cfg.num_parameters(active=True))
 
 
 # ---------------------------------------------------------------------------------------------- measuring

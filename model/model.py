@@ -202,6 +202,8 @@ class Experts(nn.Module):
         """x (N, d) sorted by expert, counts (E,) rows per expert -> (N, d)."""
         if use_grouped_mm(x):
             # one kernel per projection; offsets stay on the device (no host sync)
+            # in bf16 like every other matmul under autocast (the residual stream and norms stay fp32)
+            x = x.to(torch.bfloat16)
             offs = counts.cumsum(0).to(torch.int32)
             gate = F.grouped_mm(x, self.gate_proj.to(x.dtype).transpose(1, 2), offs=offs)
             up = F.grouped_mm(x, self.up_proj.to(x.dtype).transpose(1, 2), offs=offs)
