@@ -10,6 +10,13 @@ share of the loop's step time spent outside forward/backward/optimizer: measured
 1 - bare / loop step time on CUDA; target <= 3%), the data-wait fraction, effective (non-padding) tokens/s,
 MFU where the device's peak is known (the loop's, and the bare step's as bare_mfu), and peak memory (CUDA
 allocations, or the process's peak RSS during that setting).
+
+Mixture-of-experts presets also report the dispatch share: the time one MoE layer's forward + backward spends
+outside its experts' matmuls (routing, sorting, gathering and combining the tokens), times the layers, over the
+bare step time. And a MoE preset measured beside a dense preset with the same active parameters (e.g.
+minimind-26m-moe and minimind-26m) gets their bare step-time ratio, which the README's target keeps below 1.3:
+
+    python bench/bench_train.py --presets minimind-26m minimind-26m-moe --dtypes bfloat16 --compile off
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
 from model import PocketLM, get_preset  # noqa: E402
+from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
 from trainer_utils.loop import Trainer  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
@@ -106,6 +114,59 @@ def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, 
     if steps is None:
         steps = max(6, min(500, math.ceil(min_seconds / timed(2))))
     return min(timed(steps) for _ in range(repeats)), steps
+
+
+def dispatch_share(preset: str, dtype: str, batch: int, seq: int, bare_step: float, repeats: int,
+                   device: torch.device) -> dict:
+    """Seconds of one MoE layer's forward + backward on batch*seq tokens, of its experts alone on the same
+    tokens already grouped by expert, and the difference (the dispatch) times the layers over the bare step."""
+    torch.manual_seed(0)
+    cfg = get_preset(preset)
+    layer: MoE = PocketLM(cfg).layers[0].mlp.to(device)  # initialised as in training
+    precision = Precision(device, DTYPES[dtype])
+    x = torch.randn(batch, seq, cfg.hidden_size, device=device, requires_grad=True)
+    with torch.no_grad(), precision.autocast():
+        choice = layer.route(layer.gate(x.reshape(-1, cfg.hidden_size)).float())[1].flatten()
+    counts = torch.bincount(choice, minlength=cfg.num_experts)
+    grouped = x.detach().reshape(-1, cfg.hidden_size)[choice.argsort(stable=True) // cfg.num_experts_per_tok]
+    grouped.requires_grad_(True)
+
+    def whole() -> None:
+        with precision.autocast():
+            out, _ = layer(x)
+        out.float().sum().backward()
+
+    def experts() -> None:
+        with precision.autocast():
+            out = layer.experts(grouped, counts)
+        if layer.shared_experts is not None:  # every token's shared experts are not dispatch either
+            with precision.autocast():
+                out = out.sum() + layer.shared_experts(x).sum()
+        out.float().sum().backward()
+
+    def timed(fn, n: int = 5) -> float:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    t_whole = min(timed(whole) for _ in range(repeats))
+    t_experts = min(timed(experts) for _ in range(repeats))
+    dispatch = max(0.0, t_whole - t_experts)
+    return {"moe_layer_s": round(t_whole, 5), "experts_s": round(t_experts, 5),
+            "dispatch_share": round(dispatch * cfg.num_hidden_layers / bare_step, 4)}
+
+
+def same_compute(a: str, b: str) -> bool:
+    """Whether preset a is a mixture of experts and b a dense model of the same shape and active parameters."""
+    ca, cb = get_preset(a), get_preset(b)
+    return (ca.moe and not cb.moe and (ca.hidden_size, ca.num_hidden_layers) == (cb.hidden_size, cb.num_hidden_layers)
+            and abs(ca.num_parameters(active=True) / cb.num_parameters() - 1) < 0.01)
 
 
 @contextlib.contextmanager
@@ -210,8 +271,20 @@ def main(argv: list[str] | None = None) -> None:
                         row["mfu"] = loop.get("mfu")
                         row["bare_mfu"] = round(fpt * batch * seq / bare / peak, 4)
                     row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if gpu else peak_rss_gb()
+                    if cfg.moe:
+                        row.update(dispatch_share(preset, dtype, batch, seq, bare, args.repeats, device))
                     results.append(row)
                     print(json.dumps(row), flush=True)
+    for row in results:  # MoE against dense at equal active parameters, same dtype and compile setting
+        dense = next((r for r in results if same_compute(row["preset"], r["preset"])
+                      and (r["dtype"], r["compile"]) == (row["dtype"], row["compile"])), None)
+        if dense is not None:
+            row["vs_dense"] = {"preset": dense["preset"], "bare_step_ratio": round(row["bare_step_s"] /
+                                                                                   dense["bare_step_s"], 3),
+                               "tokens_per_s_ratio": round(row["tokens_per_s"] / dense["tokens_per_s"], 3)}
+            print(f"{row['preset']} vs {dense['preset']} ({row['dtype']}): step time x"
+                  f"{row['vs_dense']['bare_step_ratio']}, tokens/s x{row['vs_dense']['tokens_per_s_ratio']}",
+                  flush=True)
     report = {"device": torch.cuda.get_device_name() if gpu else f"cpu: {cpu_model()}",
               "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
     if args.out:

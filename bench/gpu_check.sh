@@ -4,7 +4,7 @@
 #   1. environment: CUDA visible to PyTorch, bf16 support, the Python packages the repo needs
 #   2. the CUDA-marked tests (bf16, fp16+GradScaler and fp32/TF32 training, flash attention, fused AdamW, KV cache, compile)
 #   3. which SDPA backend serves the training attention (flash expected)
-#   4. throughput of the 26M and 104M presets (tokens/s, MFU, peak memory)
+#   4. throughput of the 26M, 26M-MoE (vs dense at equal active parameters) and 104M presets (tokens/s, MFU, memory)
 #   5. a short generation benchmark (KV cache vs none vs transformers, when installed)
 # If $OUT is set, results go there: gpu_check.log (every check's output), summary.json, throughput.json and
 # generation.json. Installs nothing; needs no network. Without a GPU it stops after the environment check.
@@ -76,7 +76,7 @@ print("first SDPA backend that serves the training path:", chosen)
 if chosen != "FLASH_ATTENTION":
     raise SystemExit(f"expected flash attention, got {chosen}")
 PY
-check throughput 240 "$PY" bench/bench_train.py --presets minimind-26m minimind-104m --dtypes bfloat16 \
+check throughput 240 "$PY" bench/bench_train.py --presets minimind-26m minimind-26m-moe minimind-104m --dtypes bfloat16 \
     --compile off --min_seconds 3 --out "$OUT_DIR/throughput.json"
 check generation 90 "$PY" bench/bench_generate.py --preset minimind-26m --new_tokens 128 \
     --out "$OUT_DIR/generation.json"

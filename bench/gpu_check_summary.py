@@ -31,7 +31,10 @@ def summarize(out: Path, budget_s: int, names: list[str], results: list[str], se
         mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a (unknown peak)"
         print(f"  {row['preset']:<14} {row['dtype']}, batch {row['batch_size']}x{row['seq_len']}: "
               f"{row['tokens_per_s']:,} tokens/s, MFU {mfu}, step {row['loop_step_s']} s, "
-              f"loop overhead {row['loop_overhead_frac']:.1%}, peak {row['peak_mem_gb']} GB")
+              f"loop overhead {row['loop_overhead_frac']:.1%}, peak {row['peak_mem_gb']} GB"
+              + (f", dispatch {row['dispatch_share']:.1%} of the step" if "dispatch_share" in row else "")
+              + (f", step x{row['vs_dense']['bare_step_ratio']} of {row['vs_dense']['preset']}"
+                 if "vs_dense" in row else ""))
     gen = summary.get("generation")
     if gen:
         reference = gen.get("transformers_tokens_per_s", gen.get("transformers", "n/a"))
