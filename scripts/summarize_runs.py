@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_KEYS = ("loss", "val_loss", "val_ppl", "reward_accuracy", "val_reward_accuracy", "val_reward_margin",
-                "ce", "kl")
+                "ce", "kl", "router_balance", "router_max_load", "tokens_per_s")
 
 
 def last_values(run_dir: Path) -> dict[str, float | int]:
