@@ -248,6 +248,7 @@ class MoE(nn.Module):
         # experts, never to the gate weights. The trainer nudges it after each step (router_bias_update_rate);
         # zero otherwise. Persistent: it is part of what the model computes.
         self.register_buffer("router_bias", torch.zeros(cfg.num_experts))
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router logits (N, E) -> probabilities (N, E), the chosen experts (N, k) and their gate weights (N, k)."""
@@ -272,8 +273,8 @@ class MoE(nn.Module):
         y = self.experts(flat[order // k], counts)
         # combine: back to (token, choice) order (a gather, deterministic, unlike an atomic scatter-add)
         y = y[torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))]
-        out = (y.view(N, k, d) * weights.to(y.dtype).unsqueeze(-1)).sum(1)
-        if self.shared_experts is not None:
+        out = self.dropout((y.view(N, k, d) * weights.to(y.dtype).unsqueeze(-1)).sum(1))  # as the dense MLP's
+        if self.shared_experts is not None:  # (which applies its own dropout)
             out = out + self.shared_experts(flat)
 
         with torch.no_grad():
