@@ -171,7 +171,8 @@ class RouterStats:
 
     counts     (L, E) tokens each expert received (a token counts once per expert it chose), no gradient
     prob_sum   (L, E) router probabilities summed over the tokens: differentiable, the P of the balancing loss
-    z_sum      (L,)   sum over tokens of logsumexp(router logits)^2: differentiable, the router z-loss
+    z_sum      (L,)   sum over tokens of logsumexp(router logits)^2: the router z-loss (differentiable only when
+                      router_z_loss_coef > 0: otherwise its graph would keep the logits alive for nothing)
     entropy_sum (L,)  sum over tokens of the router distribution's entropy (nats), no gradient
     tokens     tokens routed per layer
     """
@@ -202,15 +203,17 @@ class Experts(nn.Module):
         """x (N, d) sorted by expert, counts (E,) rows per expert -> (N, d)."""
         if use_grouped_mm(x):
             # one kernel per projection; offsets stay on the device (no host sync)
-            # in bf16 like every other matmul under autocast (the residual stream and norms stay fp32)
-            x = x.to(torch.bfloat16)
+            x = x.to(torch.bfloat16)  # a no-op under bf16 autocast (MoE.forward cast the tokens)
             offs = counts.cumsum(0).to(torch.int32)
             gate = F.grouped_mm(x, self.gate_proj.to(x.dtype).transpose(1, 2), offs=offs)
             up = F.grouped_mm(x, self.up_proj.to(x.dtype).transpose(1, 2), offs=offs)
             return F.grouped_mm(F.silu(gate) * up, self.down_proj.to(x.dtype).transpose(1, 2), offs=offs)
-        # portable path: a slice per expert (the split sizes are one host read per layer)
-        out = [F.linear(F.silu(F.linear(xs, self.gate_proj[e])) * F.linear(xs, self.up_proj[e]), self.down_proj[e])
-               for e, xs in enumerate(x.split(counts.tolist()))]
+        # portable path: a slice per expert (the split sizes are one host read per layer). The stacks are cast
+        # to x's dtype once and unbound once: indexing a stack per expert would cast each slice separately and
+        # give each slice's gradient as a zero-filled copy of the whole stack.
+        gates, ups, downs = (w.to(x.dtype).unbind(0) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        out = [F.linear(F.silu(F.linear(xs, g)) * F.linear(xs, u), dn)
+               for xs, g, u, dn in zip(x.split(counts.tolist()), gates, ups, downs)]
         return torch.cat(out)
 
 
@@ -222,6 +225,27 @@ def use_grouped_mm(x: torch.Tensor) -> bool:
     if torch.is_autocast_enabled("cuda"):  # the matmuls run in the autocast dtype
         return torch.get_autocast_dtype("cuda") == torch.bfloat16
     return x.dtype == torch.bfloat16  # a bf16 model without autocast (inference, serving)
+
+
+class Dispatch(torch.autograd.Function):
+    """rows[order // k]: each of N rows repeated k times in the given order (a permutation of N*k slots).
+
+    Plain indexing would compute the same forward, but its backward is a scatter-add into the N rows (slow on
+    CPU, atomic and so non-deterministic on GPU). Knowing the order is a permutation, the backward is a gather
+    by its inverse followed by a sum over each row's k copies: deterministic, and no scatter at all.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return rows.index_select(0, order // k if k > 1 else order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        (inverse,) = ctx.saved_tensors
+        grad = grad.index_select(0, inverse)
+        return grad.view(-1, ctx.k, grad.shape[-1]).sum(1) if ctx.k > 1 else grad, None, None, None
 
 
 class MoE(nn.Module):
@@ -249,6 +273,7 @@ class MoE(nn.Module):
         # zero otherwise. Persistent: it is part of what the model computes.
         self.register_buffer("router_bias", torch.zeros(cfg.num_experts))
         self.dropout = nn.Dropout(cfg.dropout)
+        self.z_loss = cfg.router_z_loss_coef > 0
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router logits (N, E) -> probabilities (N, E), the chosen experts (N, k) and their gate weights (N, k)."""
@@ -270,16 +295,22 @@ class MoE(nn.Module):
         expert_of = choice.flatten()
         order = expert_of.argsort(stable=True)
         counts = torch.bincount(expert_of, minlength=self.num_experts)
-        y = self.experts(flat[order // k], counts)
-        # combine: back to (token, choice) order (a gather, deterministic, unlike an atomic scatter-add)
-        y = y[torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))]
+        # under autocast the experts' matmuls run in its dtype: cast the tokens once, before the k-fold gather
+        device = flat.device.type
+        source = flat.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else flat
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))
+        y = self.experts(Dispatch.apply(source, order, inverse, k), counts)
+        # combine: back to (token, choice) order, then each token's k outputs weighted and summed
+        y = Dispatch.apply(y, inverse, order, 1)
         out = self.dropout((y.view(N, k, d) * weights.to(y.dtype).unsqueeze(-1)).sum(1))  # as the dense MLP's
         if self.shared_experts is not None:  # (which applies its own dropout)
             out = out + self.shared_experts(flat)
 
         with torch.no_grad():
             entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
-        stats = (counts.float(), probs.sum(0), torch.logsumexp(logits, -1).pow(2).sum(), entropy)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss):
+            z = torch.logsumexp(logits, -1).pow(2).sum()
+        stats = (counts.float(), probs.sum(0), z, entropy)
         return out.view(B, T, d), stats
 
 

@@ -232,7 +232,8 @@ def capture_router_inputs(model: PocketLM) -> list[torch.Tensor]:
 
 
 def test_router_stats_match_an_independent_computation():
-    cfg = moe_config(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, initializer_range=0.1)
+    cfg = moe_config(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, initializer_range=0.1,
+                     router_z_loss_coef=1e-3)
     model = PocketLM(cfg).train()
     for layer in model.layers:
         layer.mlp.router_bias.copy_(torch.tensor([0.05, -0.05, 0.1, 0.0]))
@@ -262,6 +263,9 @@ def test_router_stats_match_an_independent_computation():
     assert unbiased.tolist() != stats.counts[0].tolist()
     # what the balancing losses are built from is differentiable back to the router; the logs are not
     assert stats.prob_sum.grad_fn is not None and stats.z_sum.grad_fn is not None
+    # without a z-loss its graph is not built (it would keep every layer's router logits alive for nothing)
+    cfg.router_z_loss_coef = 0.0
+    assert PocketLM(cfg)(ids, return_router=True)[1].z_sum.grad_fn is None
     assert not stats.counts.requires_grad and not stats.entropy_sum.requires_grad
     for term in (stats.prob_sum[1, 0], stats.z_sum[1]):
         model.zero_grad()
