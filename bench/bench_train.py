@@ -72,6 +72,18 @@ def peak_rss_gb() -> float:
     return round(kb / 2**20, 3)
 
 
+def seconds_per_call(fn, n: int, device: torch.device) -> float:
+    """Mean seconds of n calls of fn, the device's queued work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
 def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int | None,
                       min_seconds: float, repeats: int, device: torch.device) -> tuple[float, int]:
     """Time per forward + backward + optimizer step on one fixed batch, and the steps per measured block.
@@ -101,14 +113,7 @@ def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, 
         opt.zero_grad(set_to_none=True)
 
     def timed(n: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n
+        return seconds_per_call(step, n, device)
 
     timed(3)  # warm-up (and compilation)
     if steps is None:
@@ -144,19 +149,9 @@ def dispatch_share(preset: str, dtype: str, batch: int, seq: int, bare_step: flo
                 out = out.sum() + layer.shared_experts(x).sum()
         out.float().sum().backward()
 
-    def timed(fn, n: int = 5) -> float:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n
-
-    t_whole = min(timed(whole) for _ in range(repeats))
-    t_experts = min(timed(experts) for _ in range(repeats))
+    whole(), experts()  # warm-up
+    t_whole = min(seconds_per_call(whole, 5, device) for _ in range(repeats))
+    t_experts = min(seconds_per_call(experts, 5, device) for _ in range(repeats))
     dispatch = max(0.0, t_whole - t_experts)
     return {"moe_layer_s": round(t_whole, 5), "experts_s": round(t_experts, 5),
             "dispatch_share": round(dispatch * cfg.num_hidden_layers / bare_step, 4)}
