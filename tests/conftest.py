@@ -29,6 +29,15 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _tf32_restored():
+    """A test (or a training run inside one) that turns CUDA TF32 on must not leave it on: later fp32 equality
+    tests at 1e-4 would fail under TF32 on a GPU. Restored through the same switch the trainer sets."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from dataset.tokenizer import Tokenizer

@@ -13,6 +13,15 @@ from typing import Iterator
 import torch
 
 
+def host_batch(batch: tuple[torch.Tensor, ...], pin: bool) -> tuple[torch.Tensor, ...]:
+    """The batch's tensors made contiguous and, for a GPU, pinned: pinned host memory lets the copy to the device
+    run asynchronously, overlapping compute. Contiguous first: a dataset may return views (inputs and targets
+    are two shifted slices of one row block), and pin_memory() keeps a view's strides, so the device copy would
+    then make a fresh unpinned contiguous copy on the training thread, synchronously."""
+    batch = tuple(t.contiguous() for t in batch)
+    return tuple(t.pin_memory() for t in batch) if pin else batch
+
+
 class StepFeeder:
     """Yields, for each optimizer step, this rank's list of micro-batches on the device: each the tuple of tensors
     the dataset's batch() returns ((inputs, targets), or more, e.g. DPO's reference log-probs)."""
@@ -35,9 +44,7 @@ class StepFeeder:
             indices = self.dataset.global_indices(first, self.batch_size)
             batch = self.dataset.batch(indices)
             n_input += self.dataset.input_tokens(indices)  # counted here, on the host: no device sync later
-            if self.device.type == "cuda":  # pinned host memory lets the copy overlap compute
-                batch = tuple(t.pin_memory() for t in batch)
-            out.append(batch)
+            out.append(host_batch(batch, pin=self.device.type == "cuda"))
         return out, n_input
 
     def _produce(self, start: int) -> None:

@@ -66,12 +66,14 @@ def wider_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 def set_cuda_tf32(enabled: bool) -> None:
     """Let fp32 matmuls on Ampere and newer GPUs use TF32 tensor cores (inputs rounded to a 10-bit mantissa,
     fp32 accumulation): several times faster for --dtype float32, no effect on bf16/fp16 autocast matmuls.
-    CUDA matmuls only; CPU numerics are left alone."""
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):  # PyTorch >= 2.9; the allow_tf32 flag is being retired
-        matmul.fp32_precision = "tf32" if enabled else "ieee"
-    else:
-        matmul.allow_tf32 = enabled
+    CUDA matmuls only; CPU numerics are left alone.
+
+    Set through `allow_tf32`, the one switch every view agrees with: on PyTorch >= 2.9 it also sets the new
+    `matmul.fp32_precision` ("tf32"/"ieee") and `get_float32_matmul_precision()` ("high"/"highest"), while
+    setting only `fp32_precision` leaves the old views in a state whose reading raises "mix of the legacy and new
+    APIs" (Inductor reads them under --compile). set_float32_matmul_precision would also switch oneDNN's CPU
+    matmuls to TF32."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
 
 
 @dataclass

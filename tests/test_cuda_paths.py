@@ -1,0 +1,50 @@
+"""The CUDA paths' host side, exercised on CPU: what a first GPU run would otherwise trip on (pinned batches,
+the check script's time limits, benchmark checkpoints, the compile toolchain check)."""
+from __future__ import annotations
+
+import torch
+
+from trainer_utils.data import StepFeeder, host_batch
+
+from conftest import tiny_config  # noqa: F401 (keeps conftest's path setup first)
+
+
+class Pinned:
+    """Records pin_memory() calls; CPU-only builds of PyTorch cannot pin, so the call is simulated."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[torch.Tensor] = []
+
+        def pin_memory(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            self.calls.append(t)
+            return t
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+
+
+def test_a_batch_of_views_is_made_contiguous_before_pinning(monkeypatch):
+    pinned = Pinned(monkeypatch)
+    rows = torch.arange(40).view(4, 10)
+    views = (rows[:, :-1], rows[:, 1:])  # what PretrainDataset.batch returns
+    assert not any(v.is_contiguous() for v in views)
+    out = host_batch(views, pin=True)
+    assert len(pinned.calls) == 2 and all(t.is_contiguous() for t in pinned.calls)
+    assert all(torch.equal(a, b) for a, b in zip(out, views))
+    assert host_batch(views, pin=False)[0].is_contiguous() and len(pinned.calls) == 2  # no pinning for the CPU
+
+
+def test_the_feeder_hands_a_gpu_pinned_contiguous_batches(corpus, monkeypatch):
+    """The pretraining dataset's real batches, through the feeder's producer thread, as for a CUDA device."""
+    from dataset.cache import prepare
+    from dataset.datasets import PretrainDataset
+    from dataset.tokenizer import Tokenizer
+    pinned = Pinned(monkeypatch)
+    cache = prepare(corpus["pretrain"], Tokenizer(), "pretrain", cache_dir=corpus["cache"], log=lambda _: None)
+    data = PretrainDataset(cache, "train", 32)
+    feeder = StepFeeder(data, 4, 2, rank=0, world_size=1, cursor=0, device=torch.device("cuda"))
+    try:
+        micro, _ = feeder._queue.get(timeout=30)
+    finally:
+        feeder.close()
+    tensors = [t for batch in micro for t in batch]
+    assert len(tensors) == 4 and all(t.is_contiguous() for t in tensors)
+    assert len(pinned.calls) >= 4 and all(t.is_contiguous() for t in pinned.calls)
