@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -137,3 +138,23 @@ def test_gpu_check_time_budget_skips_what_does_not_fit(tmp_path):
     assert proc.returncode == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert all(c["result"].startswith("SKIPPED (time budget of 0s spent)") for c in summary["checks"])
+
+
+def test_gpu_check_kills_a_check_that_ignores_sigterm(tmp_path):
+    """The trainer answers SIGTERM by checkpointing and exiting 0, and a hung CUDA call may not answer at all: a
+    check past its limit must be killed, and reported as timed out, within the budget plus the kill grace."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\n'
+                    '# the summary runs for real; every check ignores SIGTERM and outlives its limit\n'
+                    'if [ "${1:-}" = bench/gpu_check_summary.py ]; then exec python3 "$@"; fi\n'
+                    "trap '' TERM\nsleep 120\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "GPU_CHECK_BUDGET_S": "13"}
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(ROOT / "bench/gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert time.monotonic() - t0 < 13 + 10 + 5, proc.stdout  # budget + kill grace + start-up
+    results = {c["check"]: c["result"] for c in json.loads((out / "summary.json").read_text())["checks"]}
+    assert results["environment"] == "FAIL (timed out after 3s)", results
+    assert proc.returncode == 1
