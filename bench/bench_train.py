@@ -204,7 +204,7 @@ def loop_metrics(preset: str, dtype: str, compile_model: bool, batch: int, seq: 
     run = f"{preset}-{dtype}-{'compile' if compile_model else 'eager'}"
     argv = [*data, "--preset", preset, "--dtype", dtype, "--batch_size", str(batch), "--max_seq_len", str(seq),
             "--max_steps", str((1 + repeats) * steps), "--log_interval", str(steps), "--eval_interval", "1000000",
-            "--save_interval", "1000000", "--out_dir", str(out), "--run_name", run, "--overwrite"]
+            "--save_interval", "1000000", "--no-checkpoints", "--out_dir", str(out), "--run_name", run, "--overwrite"]
     if compile_model:
         argv.append("--compile")
     with timing_compute() if device.type == "cpu" else contextlib.nullcontext() as compute:

@@ -388,3 +388,15 @@ def test_the_skipped_step_count_survives_a_resume(corpus, tmp_path, monkeypatch)
     assert train_pretrain.main(flags(corpus, tmp_path, resume=True)) == 0
     assert [(r["step"], r["skipped_steps"]) for r in read_metrics(tmp_path / "run")] == [(2, 1), (4, 1), (6, 1),
                                                                                          (8, 1)]
+
+
+def test_no_checkpoints_writes_none(corpus, tmp_path, capsys):
+    """What the throughput benchmark runs with: a 104M model's final checkpoint is 1.25 GB with its optimizer
+    state, fsynced, for nothing."""
+    assert train_pretrain.main(flags(corpus, tmp_path, max_steps=4) + ["--no-checkpoints"]) == 0
+    run = tmp_path / "run"
+    assert not (run / "checkpoints").exists() and not (run / "latest").exists()
+    assert [m["step"] for m in read_metrics(run)] == [2, 4]
+    argv = flags(corpus, tmp_path, "early", early_stop_patience=2, val_fraction=0.1) + ["--no-checkpoints"]
+    assert train_pretrain.main(argv) != 0
+    assert "need checkpoints" in capsys.readouterr().err

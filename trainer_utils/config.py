@@ -135,6 +135,8 @@ class RunConfig:
                                  "has none)", persist=False)
     overwrite: bool = option(False, "delete an existing run of the same name first", persist=False)
     save_interval: int = option(500, "steps between checkpoints", at_least=1)
+    checkpoints: bool = option(True, "write checkpoints (--no-checkpoints: none at all, for benchmarks; the run "
+                                     "then cannot be resumed or loaded)")
     keep_last: int = option(3, "checkpoints kept", at_least=1)
     log_interval: int = option(10, "steps between log records", at_least=1)
     use_wandb: bool = option(False, "log to wandb (offline unless WANDB_API_KEY is set)")
@@ -219,6 +221,9 @@ class TrainConfig:
         """Cross-setting checks that need nothing slow (no data, model or device), so they fail at once."""
         if self.run.resume and self.run.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other")
+        if self.eval.early_stopping and not self.run.checkpoints:
+            raise ConfigError("--early_stop_patience and --overfit_gap keep the best checkpoint; they need "
+                              "checkpoints (drop --no-checkpoints)")
         if self.eval.early_stopping and self.data.val_fraction == 0:
             raise ConfigError("--early_stop_patience and --overfit_gap watch the validation loss; they need "
                               "--val_fraction > 0")

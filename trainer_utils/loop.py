@@ -379,7 +379,9 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint (collective): every rank writes what it owns into the staging directory, then rank 0
-        completes it and publishes it."""
+        completes it and publishes it. Nothing with --no-checkpoints."""
+        if not self.config.run.checkpoints:
+            return
         backend = self.backend
         self._sync_counters()
         if backend.is_main:
@@ -508,7 +510,9 @@ class Trainer:
                     if self.last_saved != self.step:
                         self.save()
                     self.logger.message(f"{stop.received} received: checkpointed step {self.step} to {s.run_dir}; "
-                                        "continue with --resume")
+                                        "continue with --resume" if run.checkpoints else
+                                        f"{stop.received} received: stopped at step {self.step} "
+                                        "(--no-checkpoints: nothing to resume from)")
         except RuntimeError as e:
             if backend.world_size == 1 or not is_peer_failure(e):
                 raise
