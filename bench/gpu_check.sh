@@ -56,6 +56,9 @@ if missing:
     raise SystemExit(f"missing Python packages: {missing}")
 if not torch.cuda.is_available():
     raise SystemExit(f"CUDA is not available to PyTorch {torch.__version__}")
+from trainer_utils.runtime import compile_toolchain_problem
+# the compile tests would fail deep in a compile worker without a compiler or Python's headers: say it once
+print("torch.compile toolchain:", compile_toolchain_problem() or "ok (a C/C++ compiler and Python.h)")
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(),
       "bf16", torch.cuda.is_bf16_supported(), "transformers",
       "yes" if importlib.util.find_spec("transformers") else "no (generation check skips the comparison)")

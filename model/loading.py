@@ -41,8 +41,10 @@ def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     return copied
 
 
-def save_model(model: PocketLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
-    """Write weights + config (+ tokenizer files) into out_dir. Callers wanting atomicity write to a temp dir."""
+def save_model(model: PocketLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+               weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write weights + config (+ tokenizer files) into out_dir. Callers wanting atomicity write to a temp dir.
+    `weights` replaces the model's own tensors (a DeepSpeed run's fp32 master weights)."""
     from safetensors.torch import save_file
 
     from .lora import has_lora
@@ -51,7 +53,7 @@ def save_model(model: PocketLM, out_dir: str | Path, tokenizer_dir: str | Path |
                               "merge them first with model.lora.merge_lora")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (weights or model.state_dict()).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")  # same tensor as embed_tokens.weight; safetensors refuses shared storage
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})

@@ -48,3 +48,49 @@ def test_the_feeder_hands_a_gpu_pinned_contiguous_batches(corpus, monkeypatch):
     tensors = [t for batch in micro for t in batch]
     assert len(tensors) == 4 and all(t.is_contiguous() for t in tensors)
     assert len(pinned.calls) >= 4 and all(t.is_contiguous() for t in pinned.calls)
+
+
+def test_compile_without_a_toolchain_is_one_clear_line(monkeypatch, tmp_path):
+    """torch.compile builds C++ (CPU) or Triton's C launchers (GPU): without a compiler or Python's headers the
+    run would fail inside a compile worker after start-up; it is refused up front instead."""
+    import shutil
+    import sysconfig
+
+    import pytest
+
+    from common.errors import ConfigError
+    from trainer_utils.config import parse_train_config
+    assert parse_train_config("pretrain", ["--compile"], "").model.compile  # this machine has both
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="needs a C/C.. compiler"):
+        parse_train_config("pretrain", ["--compile"], "")
+    monkeypatch.undo()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    with pytest.raises(ConfigError, match="Python.h is missing"):
+        parse_train_config("pretrain", ["--compile"], "")
+    assert not parse_train_config("pretrain", [], "").model.compile  # no check without --compile
+
+
+def test_the_model_is_compiled_after_the_backend_wraps_it(corpus, tmp_path, monkeypatch):
+    """DDP (or a DeepSpeed engine) first, then torch.compile: dynamo splits the graph at DDP's buckets so the
+    all-reduces overlap backward; a compiled module inside DDP would reduce only after the whole backward."""
+    from test_train import flags
+
+    from trainer_utils import loop
+    from trainer_utils.backend import TorchBackend
+    from trainer_utils.config import parse_train_config
+
+    class Wrapper(torch.nn.Module):  # stands in for DDP, which needs a process group
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    real_wrap = TorchBackend.wrap
+    monkeypatch.setattr(TorchBackend, "wrap", lambda self, model, opt: Wrapper(real_wrap(self, model, opt)))
+    config = parse_train_config("pretrain", flags(corpus, tmp_path) + ["--compile"], "")
+    trainer = loop.Trainer(loop.Session(config, "pretrain"))
+    assert isinstance(trainer.wrapped, Wrapper) and trainer.wrapped.module is trainer.model
+    assert trainer.forward_model._orig_mod is trainer.wrapped  # torch.compile's OptimizedModule around the wrapper

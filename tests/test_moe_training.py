@@ -234,6 +234,12 @@ def test_deepspeed_zero2_trains_and_resumes_a_moe_model(corpus, tmp_path):
     assert all(r["router_dropped"] == 0 and r["loss"] < 9 for r in records)
     model, _ = load_model(tmp_path / "ds")
     assert model.layers[0].mlp.router_bias.abs().max() > 0
+    # the checkpoint holds the fp32 master weights, not the engine's bf16 copy
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "ds/checkpoints/step_00000009/model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    w = saved["layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(w, w.bfloat16().float())
 
 
 def test_moe_recipe_parses(tmp_path):

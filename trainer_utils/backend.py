@@ -101,6 +101,12 @@ class Backend:
         the small state rank 0 stores in training_state.pt."""
         raise NotImplementedError
 
+    def master_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Collective: the weights a checkpoint should hold when they are not the model's own tensors (a
+        DeepSpeed bf16 engine trains a bf16 copy; its fp32 masters are sharded in the optimizer). None: the
+        model's state_dict."""
+        return None
+
     def restore_state(self, checkpoint_dir: Path, state: dict[str, Any]) -> None:
         """Restore what save_state wrote (after wrap)."""
         raise NotImplementedError

@@ -61,10 +61,11 @@ def new_staging_dir(run_dir: Path, step: int) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_state: dict[str, Any] | None,
                     info: dict[str, Any], tokenizer_dir: Path | None, keep_last: int = 3,
-                    write_model: Callable[[Path], Any] | None = None) -> Path:
+                    write_model: Callable[[Path], Any] | None = None,
+                    weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Complete checkpoint `step` in its staging_dir (which may already hold other ranks' files), rename it into
     place atomically and point `latest` at it; return its directory. `write_model(dir)` replaces the default
-    save_model (LoRA runs write their adapters only)."""
+    save_model (LoRA runs write their adapters only); `weights` replace the model's tensors in it."""
     final = checkpoint_dir(run_dir, step)
     tmp = staging_dir(run_dir, step)
     tmp.mkdir(parents=True, exist_ok=True)
@@ -72,7 +73,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, training_s
         if write_model is not None:
             write_model(tmp)
         else:
-            save_model(model, tmp, tokenizer_dir=tokenizer_dir)
+            save_model(model, tmp, tokenizer_dir=tokenizer_dir, weights=weights)
         (tmp / TRAIN_INFO_NAME).write_text(json.dumps({**info, "step": step}, indent=2) + "\n")
         if training_state is not None:
             torch.save(training_state, tmp / STATE_NAME)

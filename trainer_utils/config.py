@@ -21,6 +21,8 @@ from dataset.config import DataConfig
 from model.config import PRESETS
 from model.inference import DeviceConfig
 
+from .runtime import compile_toolchain_problem
+
 DEFAULT_PRESET = "minimind-26m"
 # The training scripts: pretraining and SFT, then the post-training ones built on a trained model.
 POST_TRAINING = ("lora", "dpo", "distill")
@@ -232,6 +234,8 @@ class TrainConfig:
             if given:
                 raise ConfigError(f"{', '.join(given)} cannot take effect with --init_from: the model's shape "
                                   f"comes from {self.model.init_from}; drop {'it' if len(given) == 1 else 'them'}")
+        if self.model.compile and (problem := compile_toolchain_problem()):
+            raise ConfigError(problem)
         if self.precision.deepspeed is not None:
             require_package("deepspeed", "--deepspeed")
             if self.precision.dtype == "float16":

@@ -168,6 +168,20 @@ class DeepSpeedBackend(Backend):
         self.engine.save_checkpoint(str(checkpoint_dir), tag="deepspeed", save_latest=False)
         return {}
 
+    def master_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The fp32 master weights, gathered from the ZeRO shards (every rank takes part), with the persistent
+        buffers in fp32 too: the engine's module is bf16, and a checkpoint of it would lose the low bits."""
+        if self.precision.dtype != torch.bfloat16:
+            return None
+        from deepspeed.utils import safe_get_full_fp32_param
+        weights = {}
+        for name, p in model.named_parameters():
+            full = safe_get_full_fp32_param(p)
+            weights[name] = (full if full is not None else p.detach()).float().cpu()
+        names = set(weights)
+        weights.update({k: v.detach().float().cpu() for k, v in model.state_dict().items() if k not in names})
+        return weights
+
     def restore_state(self, checkpoint_dir: Path, state: dict[str, Any]) -> None:
         path, _ = self.engine.load_checkpoint(str(checkpoint_dir), tag="deepspeed", load_module_strict=True)
         if path is None:

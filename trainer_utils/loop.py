@@ -312,8 +312,10 @@ class Trainer:
         self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
         # a mixture of experts: its routers' balancing losses and load statistics (trainer_utils/routing.py)
         self.router = RouterBalance(self.model.config, self.backend, self.device) if self.model.config.moe else None
-        forward_model = torch.compile(self.model) if c.model.compile else self.model
-        self.forward_model = self.backend.wrap(forward_model, self.optimizer)
+        self.wrapped = self.backend.wrap(self.model, self.optimizer)  # DDP, a DeepSpeed engine, or the model
+        # compiled after wrapping, as PyTorch recommends: dynamo then splits the graph at DDP's bucket boundaries,
+        # so gradient all-reduces overlap the backward (a compiled module inside DDP reduces only at the end)
+        self.forward_model = torch.compile(self.wrapped) if c.model.compile else self.wrapped
 
         # Progress. The running totals live on the device and are read once per log interval (no host sync
         # per step); the plain numbers are what checkpoints and the log read.
@@ -388,6 +390,7 @@ class Trainer:
             new_staging_dir(self.s.run_dir, self.step)
         backend.barrier()
         backend_state = backend.save_state(staging_dir(self.s.run_dir, self.step))
+        weights = backend.master_weights(self.model) if self.s.lora is None else None
         backend.barrier()
         if backend.is_main:
             state = {**backend_state, "scheduler": self.scheduler.state_dict(), "step": self.step,
@@ -404,7 +407,7 @@ class Trainer:
             write = None if self.s.lora is None else \
                 lambda d: save_lora(self.model, d, self.s.lora, self.s.base_ref, self.s.tokenizer.path)
             save_checkpoint(self.s.run_dir, self.step, self.model, state, info, self.s.tokenizer.path,
-                            self.config.run.keep_last, write)
+                            self.config.run.keep_last, write, weights)
         backend.barrier()
         self.last_saved = self.step
 
@@ -453,7 +456,7 @@ class Trainer:
         poison = torch.where(n_valid > 0, 0.0, float("nan"))
         for i, batch in enumerate(micro):
             last = i == len(micro) - 1
-            with contextlib.nullcontext() if last else self.backend.no_sync(self.forward_model):
+            with contextlib.nullcontext() if last else self.backend.no_sync(self.wrapped):
                 out = self.objective(self.forward_model, batch, self.precision.autocast)
                 loss = out.loss * scale + (poison * self.empty_step_anchor.sum() if last else 0.0)
                 if out.router is not None:

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import shutil
 import signal
+import sysconfig
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,6 +65,22 @@ def fallback_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | No
 def wider_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """The one of two autocast dtypes further along FALLBACK_ORDER."""
     return max(a, b, key=FALLBACK_ORDER.index)
+
+
+def compile_toolchain_problem() -> str | None:
+    """Why torch.compile cannot build kernels here, or None. Inductor compiles C++ for the CPU and Triton
+    compiles C launchers for the GPU; both need a compiler and Python's headers, and without them the first
+    step fails deep inside a compile worker with a long log instead of one clear line."""
+    compilers = [c for c in (os.environ.get("CXX"), os.environ.get("CC"), "c++", "g++", "clang++", "cc", "gcc",
+                             "clang") if c]
+    if not any(shutil.which(c) for c in compilers):
+        return ("--compile needs a C/C++ compiler to build its kernels (none of c++, g++, clang++, cc, gcc, clang "
+                "is on PATH): install one (Debian/Ubuntu: apt-get install build-essential) or drop --compile")
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.is_file():
+        return (f"--compile needs Python's C headers ({headers} is missing): install them (Debian/Ubuntu: "
+                f"apt-get install python3-dev) or drop --compile")
+    return None
 
 
 def set_cuda_tf32(enabled: bool) -> None:
