@@ -262,6 +262,7 @@ def test_mfu_flop_model_matches_counted_flops(overrides):
                                        ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10G", 70e12),
                                        ("NVIDIA A10", 125e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12),
                                        ("NVIDIA GeForce RTX 4070 Ti", 80e12), ("NVIDIA GeForce RTX 4070", 58e12),
+                                       ("NVIDIA H200 NVL", 835e12), ("NVIDIA H100 NVL", 835e12),
                                        ("Some Future GPU", None)])
 def test_peak_flops_lookup_prefers_the_most_specific_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)

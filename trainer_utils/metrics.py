@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 # Consumer cards list the fp32-accumulate rate, which is what PyTorch's bf16 matmuls use. Order matters:
 # the first matching key wins, so more specific names come first.
 PEAK_FLOPS: dict[str, float] = {
+    # the NVL (PCIe, air-cooled) parts run lower clocks than the SXM ones: 835 vs 989 TFLOP/s dense
+    "H200 NVL": 835e12, "H100 NVL": 835e12,
     "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
     "B200": 2250e12, "A100": 312e12, "A800": 312e12, "A6000": 155e12, "A40": 150e12, "A30": 165e12,
     "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "V100": 125e12, "T4": 65e12,
