@@ -65,23 +65,36 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cu
 PY
 check cuda_tests 240 env POCKETLM_REQUIRE_CUDA=1 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py
 check sdpa_backend 60 "$PY" - <<'PY'
+# Which SDPA kernel PyTorch actually dispatches (no sdpa_kernel forcing): a profiled training step (fp32 weights,
+# bf16 autocast, forward + backward) and bf16 KV-cache decoding, each named by its aten op.
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
 from model import PocketLM, get_preset
-model = PocketLM(get_preset("minimind-26m")).cuda().bfloat16()
+from model.generate import generate
+from model.inference import resolve_device
+
+resolve_device("cuda")  # the policy every command applies (model.model.set_attention_policy: no cuDNN attention)
+def kernels(fn):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")})
+model = PocketLM(get_preset("minimind-26m")).cuda()
 x = torch.randint(0, 6400, (4, 512), device="cuda")
-chosen = None
-for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
-    try:
-        with sdpa_kernel(backend):
-            model(x)
-        chosen = backend.name
-        break
-    except RuntimeError as e:  # say why a faster backend could not serve it
-        print(f"{backend.name} not usable: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-print("first SDPA backend that serves the training path:", chosen)
-if chosen != "FLASH_ATTENTION":
-    raise SystemExit(f"expected flash attention, got {chosen}")
+def train_step():
+    with torch.autocast("cuda", torch.bfloat16):
+        model(x).float().logsumexp(-1).mean().backward()
+train_step()
+training = kernels(train_step)
+print("training step (bf16 autocast):", training)
+bf16 = PocketLM(get_preset("minimind-26m")).cuda().bfloat16().eval()
+prompts = [[1, 2, 3, 4] * 8, [5, 6, 7] * 5]  # two lengths: a left-padded batch, as eval_model and serving decode
+decode = kernels(lambda: generate(bf16, prompts, max_new_tokens=32, temperature=0.0, pad_token_id=0))
+print("bf16 KV-cache decoding:", decode)
+if not any("flash" in k for k in training):
+    raise SystemExit(f"expected flash attention in training, got {training}")
+if any("cudnn" in k for k in training + decode):
+    raise SystemExit("cuDNN attention was dispatched despite the policy")
 PY
 check throughput 240 "$PY" bench/bench_train.py --presets minimind-26m minimind-26m-moe minimind-104m --dtypes bfloat16 \
     --compile off --min_seconds 3 --out "$OUT_DIR/throughput.json"

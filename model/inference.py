@@ -22,7 +22,7 @@ from common.errors import CheckpointError, ConfigError
 from common.files import TRAIN_INFO_NAME
 
 from .generate import generate
-from .model import PocketLM
+from .model import PocketLM, set_attention_policy
 from .stats import RouterLoad
 
 STAGES = ("pretrain", "sft")
@@ -61,18 +61,21 @@ class DeviceConfig:
 
 
 def resolve_device(name: str | None = None) -> torch.device:
-    """The requested device, or (None / "auto") CUDA when available, else CPU.
+    """The requested device, or (None / "auto") CUDA when available, else CPU; on CUDA the attention kernel
+    policy is set (model.model.set_attention_policy).
 
     Raises ConfigError for a device string PyTorch does not know, or a CUDA device where CUDA is unavailable,
     so every command line reports both the same way before loading anything."""
     if not name or name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as e:
         raise ConfigError(f"--device {name}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {name}: CUDA is not available")
+    if device.type == "cuda":
+        set_attention_policy()
     return device
 
 

@@ -93,6 +93,16 @@ class KVCache:
 
 
 # ------------------------------------------------------------------------ attention
+def set_attention_policy() -> None:
+    """On CUDA, let SDPA choose flash, memory-efficient or math attention, never cuDNN's.
+
+    On Hopper with a recent cuDNN PyTorch may prefer cuDNN attention, which builds a graph per (batch, query
+    length, key length): KV-cache decoding (one more key every token) and variable-length SFT batches would
+    build a new one at almost every call. Flash serves training and prefill (causal, no mask); decoding with a
+    mask goes to the memory-efficient kernel. bench/gpu_check.sh reports the kernel actually dispatched."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Attention(nn.Module):
     """Multi-head causal self-attention with grouped-query heads, rotary positions and SDPA."""
 

@@ -94,3 +94,19 @@ def test_the_model_is_compiled_after_the_backend_wraps_it(corpus, tmp_path, monk
     trainer = loop.Trainer(loop.Session(config, "pretrain"))
     assert isinstance(trainer.wrapped, Wrapper) and trainer.wrapped.module is trainer.model
     assert trainer.forward_model._orig_mod is trainer.wrapped  # torch.compile's OptimizedModule around the wrapper
+
+
+def test_cuda_devices_get_the_attention_policy(monkeypatch):
+    """cuDNN attention rebuilds a graph per shape (every decoded token, every SFT batch length): a CUDA device
+    turns it off for SDPA, whichever command resolves the device."""
+    from model.inference import resolve_device
+    saved = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        resolve_device("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # nothing changes for the CPU
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert resolve_device("auto").type == "cuda"
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(saved)
