@@ -154,6 +154,31 @@ def test_finished_rows_stop_while_others_continue():
     assert out == [[], free[1]]
 
 
+@pytest.mark.parametrize("interval", [1, 4, 16])
+def test_reading_done_less_often_changes_nothing(monkeypatch, interval):
+    """On CUDA the loop reads "all rows done" every 16 tokens (a read waits for the GPU): rows that finished
+    meanwhile must emit nothing, sampled text and streamed tokens stay the same, and the repetition penalty's
+    record of seen tokens is kept on the device without boolean indexing."""
+    import importlib
+    generate_mod = importlib.import_module("model.generate")  # the module (`model.generate` is the function)
+    model = PocketLM(tiny_config()).eval()
+    kw = dict(max_new_tokens=20, temperature=0.9, top_k=20, repetition_penalty=1.3)
+    reference = generate(model, [[1, 2, 3], [7, 8]], generator=torch.Generator().manual_seed(3), **kw)
+    stop = reference[0][2]
+    expected = generate(model, [[1, 2, 3], [7, 8]], generator=torch.Generator().manual_seed(3),
+                        eos_token_ids=[stop], **kw)
+    monkeypatch.setattr(generate_mod, "done_check_interval", lambda device: interval)
+    streamed: list[list[int]] = [[], []]
+
+    def on_token(tok, active):
+        for row in range(2):
+            if active[row]:
+                streamed[row].append(int(tok[row]))
+    got = generate(model, [[1, 2, 3], [7, 8]], generator=torch.Generator().manual_seed(3), eos_token_ids=[stop],
+                   on_token=on_token, **kw)
+    assert got == expected == streamed and len(got[0]) == 2
+
+
 def test_generation_past_max_positions_is_refused():
     model = PocketLM(tiny_config()).eval()
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):

@@ -238,8 +238,9 @@ def test_deepspeed_zero2_trains_and_resumes_a_moe_model(corpus, tmp_path):
     from safetensors.torch import load_file
     saved = load_file(str(tmp_path / "ds/checkpoints/step_00000009/model.safetensors"))
     assert all(t.dtype == torch.float32 for t in saved.values())
-    w = saved["layers.0.self_attn.q_proj.weight"]
-    assert not torch.equal(w, w.bfloat16().float())
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.mlp.router_bias"):  # neither rounded to bf16
+        w = saved[name]
+        assert not torch.equal(w, w.bfloat16().float()), name
 
 
 def test_moe_recipe_parses(tmp_path):

@@ -143,7 +143,13 @@ class DeepSpeedBackend(Backend):
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         import deepspeed
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b.is_floating_point()}
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        # bf16 mode casts the whole module, buffers included: give back the fp32 RoPE tables (the model casts
+        # them per use) and routing biases (updates of 1e-3 would round away in bf16)
+        for name, b in model.named_buffers():
+            if name in buffers and b.dtype != buffers[name].dtype:
+                b.data = buffers[name].to(b.device)
         return self.engine
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
