@@ -134,7 +134,9 @@ class TorchBackend(Backend):
         if not self.ddp:
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # gradients as views into the all-reduce buckets: one copy of the gradients instead of two
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                   gradient_as_bucket_view=True)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync() if self.ddp else contextlib.nullcontext()
