@@ -91,3 +91,15 @@ bench: install-dev
 	$(PYTHON) bench/bench_generate.py --out bench/results/generate-$$(hostname).json
 	$(PYTHON) bench/bench_train.py --out bench/results/train-$$(hostname).json
 	$(PYTHON) bench/bench_dpo.py --out bench/results/dpo-$$(hostname).json
+
+# An OpenAI-compatible API over the demo chat model (after `make demo`), on http://127.0.0.1:8998/v1 (loopback
+# only; --host and --api_key to expose it). Any OpenAI client works; see README "Use your model".
+.PHONY: serve
+serve: install
+	$(PYTHON) serve_openai_api.py --checkpoint $(DEMO_OUT)/demo-sft
+
+# The GGUF export checked in llama.cpp itself (llama-cpp-python from requirements-dev.txt; its first install
+# compiles llama.cpp, 5-15 min on 2 cores). Fails, rather than skips, when llama_cpp is missing.
+.PHONY: test-gguf
+test-gguf: install-dev
+	@POCKETLM_REQUIRE_GGUF=1 $(PYTHON) -m pytest -q tests/test_gguf.py; $(NO_TESTS_IS_AN_ERROR)

@@ -1,4 +1,4 @@
-"""Convert between PocketLM checkpoints and Hugging Face `transformers` directories (both directions).
+"""Convert between PocketLM checkpoints and Hugging Face `transformers` directories (both directions); export GGUF.
 
     python -m model.convert --checkpoint out/<run> --out_dir hf_dir        # -> LlamaForCausalLM / GPT2LMHeadModel
     python -m model.convert --from_hf hf_dir --out_dir pocketlm_dir         # <- same shapes back
@@ -19,6 +19,12 @@ with experts stored one tensor each as the Hub checkpoints are (what transformer
 
 --from_hf imports all three back (refusing what PocketLM cannot compute: attention biases, sliding windows, dense
 layers among the MoE ones, a Qwen2-MoE shared expert with a non-zero gate, ...).
+
+GGUF for llama.cpp and Ollama (model/gguf.py: llama.cpp's `gguf` writer, Llama / GPT-2 / Mixtral-style MoE):
+
+    python -m model.convert --checkpoint out/<run> --to gguf --out model.gguf [--outtype f32|f16|q8_0]
+
+A LoRA run exports merged. GGUF puts the tokenizer and chat template in the file: llama.cpp and Ollama run it as is.
 
 LoRA runs (model/lora.py: adapters + a reference to their base):
 
@@ -50,7 +56,10 @@ from typing import Callable
 
 import torch
 
+from common.errors import TokenizerError
+
 from .config import ConfigError, ModelConfig, get_preset
+from .gguf import OUTTYPES, export_gguf
 from .inference import DTYPES
 from .loading import (
     ADAPTER_WEIGHTS_NAME,
@@ -612,19 +621,32 @@ def main(argv: list[str] | None = None) -> int:
                                        "ERNIE 4.5 MoE)")
     src.add_argument("--merge_lora", metavar="RUN_OR_DIR",
                      help="LoRA run or checkpoint: write its merged weights as a plain PocketLM dir to --out_dir")
-    p.add_argument("--out_dir", help="output directory (all modes but --peft_dir)")
+    p.add_argument("--to", choices=("hf", "gguf"), default="hf",
+                   help="with --checkpoint: a transformers directory (--out_dir; default) or one GGUF file for "
+                        "llama.cpp / Ollama (--out)")
+    p.add_argument("--out", help="with --to gguf: the .gguf file to write")
+    p.add_argument("--outtype", choices=OUTTYPES, help="with --to gguf: type of the weight matrices (default f32; "
+                                                        "norms and biases stay f32)")
+    p.add_argument("--out_dir", help="output directory (all modes but --peft_dir and --to gguf)")
     p.add_argument("--peft_dir", help="with --checkpoint of a LoRA run: write its adapters in the peft layout here "
                                       "(instead of --out_dir)")
     p.add_argument("--base_model", help="with --peft_dir: base_model_name_or_path to record (e.g. the transformers "
                                         "export of the adapters' base)")
     p.add_argument("--preset", help="config for a bare weights file without config.json (e.g. a MiniMind .pth)")
     p.add_argument("--config", help="config.json for a bare weights file")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of exported weights")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of exported weights (default float32; "
+                                                            "--to gguf takes --outtype)")
     args = p.parse_args(argv)
     try:
         _check_flags(args)
-        dtype = DTYPES[args.dtype]
-        if args.from_hf:
+        dtype = DTYPES[args.dtype or "float32"]
+        if args.to == "gguf":
+            config = get_preset(args.preset) if args.preset else ModelConfig.load(args.config) if args.config else None
+            done = export_gguf(args.checkpoint, args.out, outtype=args.outtype or "f32", config=config)
+            note = "" if done.chat_template else "; no chat template in the tokenizer files"
+            print(f"wrote GGUF to {done.path} ({done.architecture}, {done.outtype}, tokenizer from "
+                  f"{done.tokenizer_dir}{note}; run with llama.cpp or `ollama create`)")
+        elif args.from_hf:
             out = import_hf(args.from_hf, args.out_dir)
             print(f"wrote PocketLM model to {out}")
         elif args.merge_lora:
@@ -640,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             out = export_hf(args.checkpoint, args.out_dir, config=config, dtype=dtype)
             architecture = json.loads((out / CONFIG_NAME).read_text())["architectures"][0]  # MoE: chosen by weights
             print(f"wrote transformers model to {out} ({architecture}; load with AutoModelForCausalLM.from_pretrained)")
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -648,6 +670,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Combinations argparse cannot express, refused with one line each."""
+    if args.to == "gguf":
+        if not args.checkpoint:
+            raise ConfigError("--to gguf exports a PocketLM --checkpoint (a LoRA run exports merged)")
+        if not args.out:
+            raise ConfigError("--to gguf needs --out FILE.gguf (the one file llama.cpp and Ollama load)")
+        for flag in ("out_dir", "peft_dir", "base_model", "dtype"):
+            if getattr(args, flag):
+                hint = "; choose the weights' type with --outtype" if flag == "dtype" else ""
+                raise ConfigError(f"--{flag} does not apply to --to gguf (it writes one file, --out){hint}")
+        return
+    if args.out or args.outtype:
+        raise ConfigError(f"--{'out' if args.out else 'outtype'} applies to --to gguf only (the transformers "
+                          "export writes a directory: --out_dir, --dtype)")
     if args.peft_dir:
         if not args.checkpoint:
             raise ConfigError("--peft_dir needs --checkpoint (a LoRA run)")
