@@ -54,49 +54,75 @@ parameters, gradients and AdamW state follow from it; each layer's routing bias 
 portable path of model.model.MoE saves (CPU; CUDA outside bf16), per token:
     router         4E + 8k        fp32 probabilities (softmax) and the chosen experts (int64, for the gather)
                    + 4k + 4       norm_topk_prob: the chosen probabilities and their sum (the division)
-                   + 4E + 4       the fp32 router logits and their logsumexp, kept by the z-loss statistic that the
-                                  loop's router loss differentiates (with router_z_loss_coef 0 too)
+                   + 4E + 4       router_z_loss_coef > 0: the fp32 router logits and their logsumexp, kept by the
+                                  z-loss (with 0 its statistic is made without a graph and keeps nothing)
     norm output    fp32: 4d, shared as for a dense MLP. Autocast: a*d per linear reading it (the router, and the
                    shared experts' gate and up)
-    dispatch       8k + 8k        int64: the gather's index (order // k) and the un-permuting inverse
-    token copies   fp32 4kd       the k copies in expert order (flat[order // k]); each expert's gate and up read
-                   autocast 2akd  its rows: under autocast each casts them anew and the fp32 gather is not kept
+    dispatch       8k + 8k        int64: the inverse permutation, kept by the gather (model.model.Dispatch), and
+                                  the order, kept by the un-permute (a Dispatch by the inverse)
+    token copies   a*kd           the k copies in expert order, one tensor whose slices each expert's gate and up
+                                  read; under autocast the tokens are cast once, before the gather
     experts        4 * a*k*e      SwiGLU's gate, silu(gate), up and product for each (token, choice)
     combine        a*kd + a*k     the un-permuted outputs and the gate weights cast to their dtype
     shared         4 * a*S*e      a dense SwiGLU MLP S*e wide
-    weight copies  autocast, per block: a * (dE + 3Eed + 3dSe). An expert's weights are a slice of the stacked
-                   tensor (gate_proj[i], no leaf), which autocast casts at every call and never caches: under
-                   checkpointing only the router's and shared experts' copies stay in the cache
+    weight copies  autocast, per block: a * (dE + 3Eed + 3dSe). Experts.forward casts each stacked weight once,
+                   all E experts together (its slices' matmuls keep it); the copy is its own, not autocast's
+                   cache: under checkpointing only the router's and shared experts' copies stay cached
 None of this depends on the routing: the experts' rows add up to N*k however they are shared out.
-Backward inside the block: the gradient from above (4d per token) throughout, and the largest of
-    shared experts        first (their ops are the newest): a dense MLP's working set, width S*e. After them
-                          their weight gradients stay, and their fp32 gradient of the norm output (4d per token)
-                          until the router's joins it; their saved tensors and copies are freed
-    combine               2 * a*kd per token: the gradients of the expert outputs and of the gate weights
-    second expert's down  the experts run backward one by one, the last first. The gradient of a slice of a
-      weight gradient     stacked weight is a zero-filled fp32 tensor of the whole stack (4Eed) with the
-                          slice's gradient (4ed) copied in; the E of a stack are summed into one. Here the three
-                          stacks' sums (12Eed), a new zero-filled one and the slice's gradient are all there, and
-                          the un-permuted outputs' gradient (a*kd per token); the first expert's saved tensors are
-                          freed (and under autocast its weight copies and token casts, and this expert's down copy),
-                          its gradient of its rows is held (4d per row)
-The last assumes balanced routing, N*k/E rows per expert: each row more (fewer) that the first expert to run
-backward (the last one, E - 1) received lowers (raises) the peak by 4*a*e - 4d bytes. With 2 x 64 tokens on a
-fresh router, 30 to 80 rows instead of 64: up to 0.7% of the 2-layer models' peaks.
+Backward inside the block, beyond its saved tensors and the gradients made so far: the gradient from above (4d
+per token) throughout, under autocast its a-byte cast for the MoE's output until the combine has read it (a*d),
+and the largest of these moments, in the order they come:
+    z-loss                its nodes run first: its logits and logsumexp go, the logits' gradient (4E per token)
+                          waits for the router's
+    shared experts        a dense MLP's working set, width S*e. After them their weight gradients stay, and their
+                          fp32 gradient of the norm output (4d per token) until the router's joins it; their saved
+                          tensors and copies are freed
+    combine               2 * a*kd + a*k per token: the gradients of the expert outputs and of their product with
+                          the gate weights, and its sum over d. The un-permute's gather then puts the first in
+                          expert order (a*kd, held until the last expert) and frees the order and the combine's
+                          saved tensors; the gate weights' gradient (4k, fp32) waits for the router's
+    each expert           the last first, R = N*k/E rows (a*ed: one expert's slice of a weight gradient). Its
+                          down projection's weight gradient and its product's gradient, turned into the gradients
+                          of silu(gate) and up: a*ed + 2 * a*e*R (the product and its factors then go); up's weight
+                          gradient and its rows' gradient: 2 * a*ed + a*d*R - a*e*R; gate's and the rows' second
+                          gradient: 3 * a*ed + 2 * a*d*R - 3 * a*e*R. Each expert leaves three weight-gradient
+                          slices and its rows' gradient (a*d*R) and frees its saved tensors (4 * a*e*R); the last
+                          one frees the outputs' gradient, the token copies and (autocast) the stacks' copies
+    rows joined           the rows' gradients and their concatenation (2 * a*kd per token)
+    weight gradients      each stack's slices stacked (UnbindBackward: a*Eed), under autocast then cast to fp32
+                          (4Eed), down, up, gate: at the gate's, two fp32 stack gradients, the a-byte stack and its
+                          cast, (12 + a) * Eed (fp32: the stack beside its slices). Accumulating, each is added in
+                          place and freed: 4Eed + 3 * a*Eed at the first, every slice still there
+    dispatch              the rows' gradient gathered by the inverse permutation beside it (2 * a*kd per token),
+                          then summed over each token's k copies (a*d)
+With gradient checkpointing the block is first recomputed, up to its last saved tensor, with the gradient from
+above alive; beyond what is saved, the MoE's forward keeps the fp32 router logits (unless the z-loss saves them),
+under autocast the fp32 norm output (nothing saves it), the tokens' a-byte cast (the gather saves its index,
+not its source) and the gate weights in fp32 (4k; the combine saves their cast). Its largest moment is the
+experts' outputs and their concatenation (2 * a*kd per token; the un-permute's gather, next, holds as much),
+before the combine's tensors; or, when shared experts or a z-loss keep the recomputation going past the
+combine, its (N, k, d) product and their sum over k (a*kd + a*d), and with shared experts their output added to
+the routed one (3 * a*d).
+The experts' moments assume balanced routing: an expert that received more rows than N*k/E has a larger one
+(2 * a*e per row more). They are seldom the peak (2 experts top-1 with e = 4d; 4 experts top-2 with e = 3d and a
+z-loss at batch 4 x 64; both checkpointed, fp32: -1.1% to +1.0% from run to run); the presets' and the tests'
+peaks are the combine's, the recomputation's or the weight gradients', which the routing does not move.
 
 Not modelled, each well under 1% of the total for the presets: the autocast copies of the RoPE tables
 (O(seq_len) per block), checkpointing's saved RNG state, and oneDNN's scratch buffers for bf16 matmuls on CPU.
 Not covered: torch.compile (it fuses ops and saves less), DDP (gradient buckets add about one more copy of the
 gradients), DeepSpeed ZeRO (it shards the optimizer state), dropout > 0, and the MoE's grouped-matmul path (CUDA
-with bf16 autocast; not measured, no GPU here: it casts the token copies once, a*kd rather than 2akd per token,
-and makes one gradient per stack without the zero-filled ones, so there the estimate should be somewhat high).
+with bf16 autocast; not measured, no GPU here: it saves the same tensors, but makes each stack's weight gradient
+in one piece rather than expert by expert, so where an expert's moment is the peak the estimate should be high).
 
 Checked against measured peaks (tests/test_memory.py; measure_step_peak profiles every allocation of one step
 on CPU): 2-layer models within 0.25% in fp32 and 3.5% in bf16; minimind-26m at batch 8 x 512 within 0.12%.
-Mixtures of experts (2 layers, d 128, 4 experts top-2, with and without a shared expert): within 0.3% in fp32 and
-0.2% in bf16/fp16, with checkpointing too; -1.1% with accumulation in fp32 (routing, above, and the tied
-embedding's gradient that each later micro-batch's backward holds until the embedding's own arrives, 4Vd, which
-the formula leaves out). minimind-26m-moe at batch 8 x 512 in bf16: within 0.1%, with checkpointing 0.03%.
+Mixtures of experts (2 layers, d 128, 4 experts top-2, with and without a shared expert, with a z-loss, with
+checkpointing; and shapes whose peak is the combine's or the recomputation's): within 0.03% in fp32 and 0.08% in
+bf16/fp16 (the RoPE tables' casts); -0.48% with accumulation in fp32 (the tied embedding's gradient that each
+later micro-batch's backward holds until the embedding's own arrives, 4Vd, which the formula leaves out).
+minimind-26m-moe at batch 8 x 512 in bf16: -0.08% (at the loss backward), with checkpointing -0.02% (in the
+first block's recomputation).
 """
 from __future__ import annotations
 
@@ -241,60 +267,104 @@ class MoEBlock(NamedTuple):
     weights: int  # elements of its weights that a linear reads (autocast copies one a-byte copy of each)
     cached_weights: int  # ... of them, those autocast caches: leaves (router, shared experts), not expert slices
     working_set: int  # the largest moment of its backward, beyond the block's saved tensors and earlier gradients
+    largest: str  # which moment that is (moe_block's names)
 
 
-def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool) -> MoEBlock:
+def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool, recomputed: bool) -> MoEBlock:
     """The saved tensors and backward working set of model.model.MoE, traced op by op (module docstring)."""
-    d, E, k, f = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    fs = cfg.num_shared_experts * f  # the shared experts: one dense SwiGLU MLP this wide
+    d, E, k, e = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    fs = cfg.num_shared_experts * e  # the shared experts: one dense SwiGLU MLP this wide
     autocast = a < 4
+    z_loss = cfg.router_z_loss_coef > 0  # otherwise the z statistic is computed without a graph
     Nk = N * k  # (token, choice) pairs; an expert gets Nk / E of them when routing is balanced
 
     # ---- saved in forward
     # router: probs (softmax, fp32), the choices (int64, for the gather), the gathered weights and their sum
-    # (normalising division), and for the z-loss statistic the fp32 router logits and their logsumexp
-    router = 4 * E * N + 8 * Nk + ((4 * Nk + 4 * N) if cfg.norm_topk_prob else 0) + 4 * E * N + 4 * N
-    dispatch = 8 * Nk + 8 * Nk  # int64: the gather's order // k and the un-permuting inverse
-    # the tokens' copies in expert order: fp32, one tensor that the gate and up slices of each expert read;
-    # autocast: each of the two linears casts its slice anew (the fp32 gather itself is not kept)
-    gathered = (2 * a if autocast else 4) * d * Nk
-    experts = 4 * a * f * Nk  # SwiGLU: gate, silu(gate), up and their product, per (token, choice)
+    # (normalising division), and with a z-loss the fp32 router logits and their logsumexp
+    router = (4 * E * N + 8 * Nk + ((4 * Nk + 4 * N) if cfg.norm_topk_prob else 0)
+              + ((4 * E * N + 4 * N) if z_loss else 0))
+    dispatch = 8 * Nk + 8 * Nk  # int64: the gather's inverse permutation, and the un-permute's (the order)
+    # the tokens' k copies in expert order, one tensor whose slices the experts' gate and up read: a-byte, as
+    # under autocast the tokens are cast once, before the gather
+    gathered = a * d * Nk
+    experts = 4 * a * e * Nk  # SwiGLU: gate, silu(gate), up and their product, per (token, choice)
     combine = a * d * Nk + a * Nk  # the un-permuted outputs and the gate weights (cast to their dtype)
     shared = 4 * a * fs * N
     saved = router + dispatch + gathered + experts + combine + shared
-    weights = d * E + 3 * E * f * d + 3 * d * fs
-    cached_weights = d * E + 3 * d * fs
+    weights = d * E + 3 * E * e * d + 3 * d * fs
+    cached_weights = d * E + 3 * d * fs  # the stacks' copies are Experts.forward's own, not autocast's
+    shared_casts = (2 * a * d * N + 3 * a * d * fs) if autocast and fs else 0  # their norm-output casts, copies
 
-    # ---- backward. The gradient arriving from above (4d per token) is there throughout. The shared experts
-    # run first (their nodes are the newest): a dense MLP's working set inside them; after them their
-    # gradients stay (unless accumulated into existing ones) and so does their gradient of the norm output,
-    # waiting for the router's; their saved tensors and weight copies are gone.
+    # ---- backward, relative to the block's saved tensors and the gradients made so far; the gradient arriving
+    # from above (4d per token) is there throughout, and under autocast its a-byte cast for the MoE's output
+    # (the residual add's backward) until the combine's backward has read it.
     incoming = 4 * d * N
-    shared_inside = shared_after = 0
+    out_grad = a * d * N if autocast else 0
+    # checkpointing: the block is recomputed first, up to its last saved tensor. Alive besides what is saved:
+    # the fp32 router logits (unless the z-loss saves them), the gate weights in fp32 under autocast (the
+    # combine saves their cast), and under autocast the fp32 norm output (which nothing saves) and the tokens'
+    # a-byte cast (the gather saves its index, not its source). The largest moments: the experts' outputs
+    # joined into one tensor (Experts.forward's cat; the un-permute's gather, next, holds as much), when the
+    # combine's, the shared experts' and the z-loss's tensors are not made yet; if shared experts or a z-loss
+    # keep the recomputation going past the combine, its (N, k, d) product and the sum over k; and with shared
+    # experts, their output added to the routed one (three a*d tensors per token).
+    moments = {}
+    if recomputed:
+        alive = (out_grad + ((4 + a) * d * N + 4 * Nk if autocast else 0)  # flat, its cast, fp32 gate weights
+                 + (-4 * N if z_loss else 4 * E * N))  # the logsumexp is not made yet / the logits are alive
+        later = shared + shared_casts  # the shared experts run after the combine
+        recompute = [alive - later - a * d * Nk - (a * Nk if autocast else 0) + 2 * a * d * Nk]
+        if fs or z_loss:
+            recompute.append(alive - later + a * d * Nk + a * d * N)
+        if fs:
+            recompute.append(alive + 3 * a * d * N)
+        moments["recomputed forward"] = max(recompute)
+    # The z-loss's nodes run first: its logits and their logsumexp go, the logits' gradient (4E per token)
+    # waits for the router's.
+    held = -4 * N if z_loss else 0
+    # the shared experts next (their nodes are newer than the routed path's): a dense MLP's working set inside
+    # them; after them their gradients stay (unless accumulated into existing ones) and so does their gradient
+    # of the norm output, waiting for the router's; their saved tensors and weight copies are gone.
     if fs:
-        shared_inside = 4 * d * fs - (a * d * fs if autocast else 0) + 2 * a * fs * N
-        shared_after = ((0 if accumulating else 3 * 4 * d * fs) + 4 * d * N - shared
-                        - (2 * a * d * N + 3 * a * d * fs if autocast else 0))
-    # then the routed experts' combine: it frees the z-loss statistic's logits, and holds two (N, k, d)
-    # gradients (of the outputs and, summed next, of the gate weights; then the un-permute's)
-    stats = 4 * E * N + 4 * N
-    combine_moment = shared_after - stats + 2 * a * d * Nk
-    # then expert by expert, the last first. Each indexes its slice of a stacked weight, and the slice's
-    # gradient is a zero-filled fp32 tensor as large as the whole stack (E x f x d) with the slice copied in;
-    # the E of them are summed into one gradient per stack. The largest moment is the second expert's first
-    # weight gradient: the three stacks' sums exist, and the new zero-filled one beside them, with the slice's
-    # own gradient. By then the first expert's saved tensors are freed (and under autocast its weight copies,
-    # its casts of the gathered tokens, and the second's down weight copy); held: the gradient of the experts'
-    # outputs (a*d per pair) and the first expert's gradient of its tokens (fp32); the second's gradient of its
-    # product has taken the place of the product
-    per_expert = 4 * a * f * Nk // E + ((2 * a * d * Nk // E + 4 * a * f * d) if autocast else 0)
-    transient = (4 * E * f * d if E > 1 else 0) + 4 * f * d
-    expert_moment = (shared_after - stats - combine - 8 * Nk + a * d * Nk - per_expert + 4 * d * Nk // E
-                     + 3 * 4 * E * f * d + transient)
-    # (after the experts, joining the tokens' gradients from the experts' slices takes 2 * 4d per pair; the
-    # experts moment held more: the gathered copies, the outputs' gradient and the zero-filled stack)
-    working_set = incoming + max(shared_inside, combine_moment, expert_moment)
-    return MoEBlock(saved, 1 + (2 if fs else 0), weights, cached_weights, working_set)
+        moments["shared experts"] = held + out_grad + 4 * d * fs - (a * d * fs if autocast else 0) + 2 * a * fs * N
+        held += (0 if accumulating else 3 * 4 * d * fs) + 4 * d * N - shared - shared_casts
+    # the combine: the gradients of the un-permuted outputs and of their product with the gate weights, summed
+    # over d into the weights' gradient (fp32 once cast back); the un-permute's gather then puts the outputs'
+    # gradient in expert order; its saved order and the combine's saved tensors are freed
+    moments["combine"] = held + out_grad + 2 * a * d * Nk + a * Nk
+    held += a * d * Nk + 4 * Nk - combine - 8 * Nk
+    # the experts, the last first, Nk / E rows each. Inside one: the down projection's weight gradient (a*ed,
+    # a slice of its stack's) and its product's gradient, which becomes the gradients of silu(gate) and up
+    # (step 2, the product and its factors freed); up's weight gradient and its rows' gradient (a*d per row;
+    # step 3); silu's backward; gate's weight gradient and its rows' second gradient, added into the first
+    # (step 5). An expert leaves three weight-gradient slices and its rows' gradient, and frees its saved
+    # tensors; the last one frees the outputs' gradient (in its down projection) and the gathered tokens (in
+    # its gate), and under autocast each stack's weight copy as its last slice is done with (down, up, gate).
+    rows = Nk // E
+    stack_copy = a * E * e * d if autocast else 0  # one stack's weight copy
+    for i in range(E):  # i experts done, expert E - 1 - i running
+        last = i == E - 1
+        base = held + i * (3 * a * e * d + a * d * rows - 4 * a * e * rows) - (a * d * Nk if last else 0)
+        freed = stack_copy if last else 0  # the down projection's copy; at step 5, up's too
+        moments[f"expert {E - 1 - i} step 2"] = base + a * e * d + 2 * a * e * rows - freed
+        moments[f"expert {E - 1 - i} step 3"] = base + 2 * a * e * d + a * d * rows - a * e * rows - freed
+        moments[f"expert {E - 1 - i} step 5"] = base + 3 * a * e * d + 2 * a * d * rows - 3 * a * e * rows - 2 * freed
+    # after them: three stacks of weight-gradient slices and the rows' gradients (joined into one tensor, a*d
+    # per pair: a moment with both); the outputs' gradient, gathered tokens, saved tensors and copies are gone
+    held += 3 * a * E * e * d - gathered - experts - 3 * stack_copy
+    moments["rows' gradients joined"] = held + a * d * Nk
+    # each stack's gradient: its slices stacked (UnbindBackward), under autocast cast to fp32 (ToCopyBackward);
+    # down, up, then gate. The largest moment is the last one: two fp32 gradients made, the third being cast
+    # from its a-byte stack (fp32: stacked beside its slices). Accumulating, each is added into the existing
+    # gradient and freed: the largest moment is the first, with every slice still there.
+    weight_grads = (3 * a + 4) * E * e * d if accumulating else (12 + a) * E * e * d
+    moments["expert weight gradients"] = held - 3 * a * E * e * d + weight_grads
+    held += (0 if accumulating else 12 * E * e * d) - 3 * a * E * e * d
+    # the dispatch's backward: the rows' gradient gathered by the inverse permutation (a*d per pair) beside it,
+    # then summed over each token's k copies (a*d per token)
+    moments["dispatch backward"] = held + a * d * Nk + (a * d * N if k > 1 else 0)
+    largest = max(moments, key=moments.__getitem__)
+    return MoEBlock(saved, 1 + (2 if fs else 0), weights, cached_weights, incoming + moments[largest], largest)
 
 
 def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str | torch.dtype = "float32",
@@ -331,7 +401,7 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
     # ---- saved for backward by one block (bytes for all N tokens)
     norm = N * (4 * d + 4 if cfg.norm == "rmsnorm" else 8)  # what a norm keeps besides its input
     accumulating = accumulation_steps > 1
-    moe = moe_block(cfg, N, a, accumulating) if cfg.moe else None
+    moe = moe_block(cfg, N, a, accumulating, grad_checkpointing) if cfg.moe else None
     mlp_linears = moe.norm_output_readers if moe else 2 if swiglu else 1
     # fp32: one norm output shared by its linears; autocast: one a-byte copy per linear
     norm_outputs = a * d * N * (3 + mlp_linears) if autocast else 2 * 4 * d * N
