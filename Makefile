@@ -91,6 +91,7 @@ bench: install-dev
 	$(PYTHON) bench/bench_generate.py --out bench/results/generate-$$(hostname).json
 	$(PYTHON) bench/bench_train.py --out bench/results/train-$$(hostname).json
 	$(PYTHON) bench/bench_dpo.py --out bench/results/dpo-$$(hostname).json
+	$(PYTHON) bench/bench_serve.py --out bench/results/serve-$$(hostname).json
 
 # An OpenAI-compatible API over the demo chat model (after `make demo`), on http://127.0.0.1:8998/v1 (loopback
 # only; --host and --api_key to expose it). Any OpenAI client works; see README "Use your model".

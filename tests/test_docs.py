@@ -8,6 +8,7 @@ import pytest
 
 import eval_model
 import model.__main__ as model_main
+import serve_openai_api
 import train_distillation
 import train_dpo
 import train_full_sft
@@ -20,13 +21,15 @@ from model import convert
 
 from conftest import ROOT
 
-LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch") for p in (ROOT / d).rglob("*.py")]
+LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch", "serving")
+           for p in (ROOT / d).rglob("*.py")]
 ENTRY_POINTS = {"train_pretrain.py": train_pretrain.main, "train_full_sft.py": train_full_sft.main,
                 "train_lora.py": train_lora.main, "train_dpo.py": train_dpo.main,
                 "train_distillation.py": train_distillation.main,
                 "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,
                 "dataset.inspect": inspect.main, "model": model_main.main,
-                "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main}
+                "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main,
+                "serve_openai_api.py": serve_openai_api.main}
 # Flags of other programs that the docs show next to ours.
 EXTERNAL = {"--nproc_per_node", "--local-rank", "--help"}
 
