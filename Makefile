@@ -72,12 +72,12 @@ demo-post: install
 	$(PYTHON) scripts/summarize_runs.py $(DEMO_OUT)/demo-lora $(DEMO_OUT)/demo-dpo $(DEMO_OUT)/demo-distill \
 		$(DEMO_OUT)/demo-student
 
-# A mixture of experts on the demo corpus (recipes/demo-moe.yaml: the demo model's shape, 8 experts top-2 at the
+# A mixture of experts on the demo corpus (recipes/demo-moe-pretrain.yaml: the demo model's shape, 8 experts top-2 at the
 # dense model's compute), then the same with auxiliary-loss-free balancing; perplexity and each layer's router load
 # on the corpus, and the two runs beside the dense demo-pretrain of `make demo` when it is there.
 demo-moe: install
-	$(PYTHON) train_pretrain.py --config recipes/demo-moe.yaml --out_dir $(DEMO_OUT) --overwrite
-	$(PYTHON) train_pretrain.py --config recipes/demo-moe.yaml --out_dir $(DEMO_OUT) --overwrite \
+	$(PYTHON) train_pretrain.py --config recipes/demo-moe-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite
+	$(PYTHON) train_pretrain.py --config recipes/demo-moe-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite \
 		--run_name demo-moe-bias --router_aux_loss_coef 0 --router_bias_update_rate 0.001
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-moe --ppl dataset/demo/pretrain_demo.jsonl
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-moe-bias --ppl dataset/demo/pretrain_demo.jsonl

@@ -244,6 +244,6 @@ def test_deepspeed_zero2_trains_and_resumes_a_moe_model(corpus, tmp_path):
 
 
 def test_moe_recipe_parses(tmp_path):
-    recipe = ROOT / "recipes" / "demo-moe.yaml"
+    recipe = ROOT / "recipes" / "demo-moe-pretrain.yaml"
     config = parse_train_config("pretrain", ["--config", str(recipe), "--out_dir", str(tmp_path)], "")
     assert config.model.num_experts and config.model.num_experts > 0
