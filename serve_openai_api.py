@@ -4,7 +4,8 @@
 
 SFT checkpoints answer POST /v1/chat/completions (the checkpoint's chat template, stopping at <|im_end|>);
 pretrain checkpoints answer POST /v1/completions (raw text, stopping at <|endoftext|>). GET /v1/models lists the
-model, GET /health reports the engine's load. Listens on 127.0.0.1 unless --host says otherwise.
+model, GET /health reports the engine's load, and GET / is a chat page (serving/static/) for SFT checkpoints.
+Listens on 127.0.0.1 unless --host says otherwise.
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8998/v1", api_key="unused")
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serving {service.name} ({service.model_dir}, stage {service.stage}, "
           f"{engine.model.num_parameters() / 1e6:.2f}M params, {engine.device}, "
           f"{str(engine.dtype).removeprefix('torch.')}, context {service.context}/{cfg.max_position_embeddings}, "
-          f"max_batch_size {engine.max_batch_size}) on http://{host}:{port}{endpoint}", file=sys.stderr, flush=True)
+          f"max_batch_size {engine.max_batch_size}) on http://{host}:{port}{endpoint}"
+          + (f"; chat page: http://{host}:{port}/" if service.stage == "sft" else ""), file=sys.stderr, flush=True)
     app = create_app(service, api_key=api_key, max_body_bytes=server.max_body_bytes)
     try:
         # uvicorn shuts down gracefully on SIGINT / SIGTERM (the engine fails what is still in flight), then

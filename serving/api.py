@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the batching engine: /v1/models, /v1/chat/completions,
-/v1/completions and /health.
+/v1/completions and /health, and a chat page at / (serving/static/: plain HTML, CSS and JavaScript that call the
+API from the browser; the page loads without the API key, its requests send it).
 
 Every failure a client can cause is answered in OpenAI's error shape with its status (400 bad request, 401 bad
 key, 404 unknown model or route, 413 body too large, 503 + Retry-After when the queue is full), never with a
@@ -21,7 +22,8 @@ from typing import AsyncIterator
 
 import torch
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import ConfigError
@@ -50,6 +52,12 @@ from .schema import (
 logger = logging.getLogger("pocketlm.serving")
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait: a slot frees as soon as any sequence ends
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+STATIC_DIR = Path(__file__).with_name("static")  # the chat page
+# The page may load and call nothing but this server (no CDN, no third-party script can run in it); no-cache:
+# a new version of the page is picked up on reload.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'",
+                "Cache-Control": "no-cache"}
 
 
 @dataclass
@@ -132,6 +140,12 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     # ------------------------------------------------------------------------ routes
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", headers=PAGE_HEADERS)
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
     def model_card() -> dict:
         return {"id": service.name, "object": "model", "created": service.created, "owned_by": "pocketlm",
                 "stage": service.stage, "max_model_len": service.context}
