@@ -75,7 +75,7 @@ from .loading import (
     special_token_ids,
 )
 from .lora import LoraSpec, adapter_shapes, check_lora_state, load_lora_model, read_lora_config
-from .model import PocketLM
+from .model import PocketLM, interleave_rope_rows, rotate_half_rows
 
 # PocketLM's GELU is the tanh approximation; these transformers activation names compute exactly that.
 GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -192,18 +192,6 @@ def hf_model_type(cfg: ModelConfig, router_bias: bool = False) -> str:
     return "mixtral" if cfg.num_shared_experts == 0 and cfg.norm_topk_prob else "qwen2_moe"
 
 
-def _interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of a q or k projection (or of its LoRA B) reordered within each head from rotate_half's rotation pairs
-    (i, i + D/2) to the interleaved pairs (2i, 2i + 1) ERNIE 4.5 rotates. q and k get the same permutation, so every
-    attention score q.k is unchanged; v and o are untouched."""
-    return w.reshape(-1, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
-
-
-def _rotate_half_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Inverse of _interleave_rope_rows."""
-    return w.reshape(-1, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
-
-
 def _is_qk(name: str) -> bool:
     return name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
 
@@ -215,7 +203,7 @@ def _moe_to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], kind: str
         if ".mlp." in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         if kind == "ernie4_5_moe" and _is_qk(name):
-            v = _interleave_rope_rows(v, cfg.head_dim)
+            v = interleave_rope_rows(v, cfg.head_dim)
         out[name if name == "lm_head.weight" else "model." + name] = v
     d = cfg.hidden_size
     for i in range(cfg.num_hidden_layers):
@@ -269,7 +257,7 @@ def _moe_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], kind: s
         else:  # Mixtral and Qwen2-MoE choose by probability alone
             out[ours + "router_bias"] = torch.zeros(cfg.num_experts)
     for name, v in rest.items():
-        out[name] = _rotate_half_rows(v, cfg.head_dim) if kind == "ernie4_5_moe" and _is_qk(name) else v
+        out[name] = rotate_half_rows(v, cfg.head_dim) if kind == "ernie4_5_moe" and _is_qk(name) else v
     return out
 
 
@@ -537,7 +525,7 @@ def to_peft_state(cfg: ModelConfig, spec: LoraSpec, state: dict[str, torch.Tenso
     transformers export of a model of `cfg` (router_bias: whether the base's MoE routers have a selection bias)."""
     if cfg.style in ("llama", "moe"):  # same module names, under the transformers model's "model."
         if hf_model_type(cfg, router_bias) == "ernie4_5_moe":  # B's rows follow the base's q/k rows
-            state = {k: _interleave_rope_rows(v, cfg.head_dim) if _is_qk(k.replace(".lora_B", "")) else v
+            state = {k: interleave_rope_rows(v, cfg.head_dim) if _is_qk(k.replace(".lora_B", "")) else v
                      for k, v in state.items()}
         return {PEFT_PREFIX + "model." + k: v for k, v in state.items()}, sorted(spec.targets), {}, {}
     # GPT-2: q, k, v share one fused c_attn (rows q | k | v). Stacking their A's and placing their B's on a block

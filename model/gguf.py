@@ -20,7 +20,6 @@ What llama.cpp needs, and how each PocketLM piece maps onto it:
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +28,11 @@ import numpy as np
 import torch
 
 from common.errors import TokenizerError
+from common.files import read_json
 
 from .config import ConfigError, ModelConfig
 from .loading import load_model
+from .model import interleave_rope_rows
 
 OUTTYPES = ("f32", "f16", "q8_0")
 # tokenizer.ggml.pre for a byte-level BPE split by GPT-2's regex (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).
@@ -63,12 +64,6 @@ class GGUFExport:
 
 
 # ----------------------------------------------------------------------------- weights
-def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's LlamaModel.permute: a q or k projection's rows from rotate_half pairs (i, i + D/2) to adjacent
-    pairs (2i, 2i + 1) within each of its n_heads heads."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def gguf_architecture(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
     """The llama.cpp architecture that computes a model of `cfg` exactly ('llama' or 'gpt2'), or a ConfigError."""
     if cfg.style in ("llama", "gpt2"):
@@ -101,9 +96,9 @@ def llama_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str,
             if w is None:
                 continue  # dense models have no experts, MoE models no dense MLP
             if ours == "self_attn.q_proj.weight":
-                w = permute_qk(w, cfg.num_attention_heads)
+                w = interleave_rope_rows(w, cfg.head_dim)
             elif ours == "self_attn.k_proj.weight":
-                w = permute_qk(w, cfg.num_key_value_heads)
+                w = interleave_rope_rows(w, cfg.head_dim)
             out[f"blk.{i}.{theirs}"] = w
     return out
 
@@ -144,10 +139,7 @@ def tensor_type(name: str, array: np.ndarray, outtype: str):
 
 # --------------------------------------------------------------------------- tokenizer
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: unreadable ({e})") from None
+    data = read_json(path, TokenizerError)
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object")
     return data

@@ -58,6 +58,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a q or k projection (or of its LoRA B) reordered within each head from rotate_half's rotation pairs
+    (i, i + D/2) to the interleaved pairs (2i, 2i + 1) that llama.cpp and ERNIE 4.5 rotate: what their exports
+    write. q and k get the same permutation, so every attention score q.k is unchanged."""
+    return w.reshape(-1, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def rotate_half_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of interleave_rope_rows (importing an interleaved layout)."""
+    return w.reshape(-1, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, H, T, D) queries or keys by their positions' angles; cos/sin are (B or 1, 1, T, D)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)

@@ -24,7 +24,8 @@ from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ConfigError, PocketLM, load_model, save_model
 from model.convert import main as convert_main
 from model.generate import generate
-from model.gguf import export_gguf, permute_qk
+from model.gguf import export_gguf
+from model.model import interleave_rope_rows
 
 from conftest import tiny_config
 
@@ -198,7 +199,7 @@ def test_permutation_is_llama_cpps():
     """The q/k row order is that of llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: within a head of
     dimension D, output row 2i is input row i and row 2i+1 is input row i + D/2."""
     w = torch.arange(2 * 8, dtype=torch.float32).reshape(16, 1)  # 2 heads of dimension 8
-    assert permute_qk(w, 2).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    assert interleave_rope_rows(w, 8).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
 
 
 # ------------------------------------------------------------------ other models
