@@ -63,9 +63,10 @@ class ModelOptions:
     grad_checkpointing: bool = option(False, "recompute blocks in backward: less memory, ~30% more compute")
     compile: bool = option(False, "torch.compile the model")
 
-    SHAPE_FLAGS: ClassVar[tuple[str, ...]] = ("preset", "hidden_size", "num_hidden_layers", "num_experts",
-                                              "num_experts_per_tok", "num_shared_experts", "moe_intermediate_size",
-                                              "norm_topk_prob")
+    # config fields set as they are given (preset, hidden_size and num_hidden_layers reshape the preset instead)
+    MOE_FLAGS: ClassVar[tuple[str, ...]] = ("num_experts", "num_experts_per_tok", "num_shared_experts",
+                                            "moe_intermediate_size", "norm_topk_prob")
+    SHAPE_FLAGS: ClassVar[tuple[str, ...]] = ("preset", "hidden_size", "num_hidden_layers", *MOE_FLAGS)
     # not the network's shape: given with --init_from they apply to the loaded model; with --resume they must
     # agree with the run
     TRAINING_FLAGS: ClassVar[tuple[str, ...]] = ("dropout", "router_aux_loss_coef", "router_z_loss_coef",

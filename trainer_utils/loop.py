@@ -98,7 +98,7 @@ def new_model_config(options: ModelOptions, vocab_size: int | None = None) -> Mo
     """The config of a new model: the preset, reshaped by --hidden_size / --num_hidden_layers / --max_seq_len and
     the mixture-of-experts flags, with the tokenizer's vocabulary (None: the preset's)."""
     extra: dict[str, Any] = {} if vocab_size is None else {"vocab_size": vocab_size}  # the tokenizer actually used
-    for name in (*ModelOptions.SHAPE_FLAGS[3:], *ModelOptions.TRAINING_FLAGS):
+    for name in (*ModelOptions.MOE_FLAGS, *ModelOptions.TRAINING_FLAGS):
         if getattr(options, name) is not None:
             extra[name] = getattr(options, name)
     if options.num_experts_per_tok == 1 and options.norm_topk_prob is None:
