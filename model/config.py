@@ -40,6 +40,13 @@ class ModelConfig:
     position_embedding: str = "rope"  # "rope" | "learned"
     mlp: str = "swiglu"  # "swiglu" | "gelu" (tanh approximation, as GPT-2)
     bias: bool = False
+    # QK-norm: RMSNorm of each head's queries and keys (over head_dim, a learned weight each) before RoPE, as
+    # Qwen3, OLMo 2 and modded-nanogpt do. It bounds the attention logits, so higher learning rates train
+    # stably. A Llama-style model with it is Qwen3-style (exports as Qwen3ForCausalLM / llama.cpp's qwen3).
+    qk_norm: bool = False
+    # An init choice, not architecture: start the residual branches' output projections (o_proj, down_proj,
+    # the experts' down_proj) at zero, so every block starts as the identity (modded-nanogpt).
+    zero_init_residual: bool = False
     # Mixture of experts (model/model.py MoE): num_experts > 0 replaces every block's MLP by num_experts routed
     # SwiGLU experts of moe_intermediate_size (default: intermediate_size), of which each token uses
     # num_experts_per_tok, plus num_shared_experts that every token uses. norm_topk_prob rescales the chosen
@@ -95,6 +102,12 @@ class ModelConfig:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError("rope_theta and norm_eps must be positive")
+        for name in ("qk_norm", "zero_init_residual"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ConfigError(f"qk_norm normalises queries and keys with RMSNorm (as Qwen3 and OLMo 2 do); it needs "
+                              f"norm='rmsnorm', got norm={self.norm!r}")
         self._validate_moe()
 
     def _validate_moe(self) -> None:
@@ -132,12 +145,14 @@ class ModelConfig:
 
     @property
     def style(self) -> str:
-        """'llama' or 'gpt2' when the switches match one of the two reference architectures, 'moe' for a
-        Llama-style model with mixture-of-experts MLPs, else 'custom'."""
-        if self.moe:
-            return "moe" if (self.norm, self.position_embedding, self.bias) == ("rmsnorm", "rope", False) else "custom"
+        """'llama', 'qwen3' (Llama with QK-norm) or 'gpt2' when the switches match one of the reference
+        architectures, 'moe' for a Llama-style model with mixture-of-experts MLPs (without QK-norm), else 'custom'.
+        The exports choose their architecture by it."""
+        if self.moe:  # (a Qwen3-MoE mapping for QK-norm would be possible; not implemented)
+            llama_like = (self.norm, self.position_embedding, self.bias) == ("rmsnorm", "rope", False)
+            return "moe" if llama_like and not self.qk_norm else "custom"
         if (self.norm, self.position_embedding, self.mlp, self.bias) == ("rmsnorm", "rope", "swiglu", False):
-            return "llama"
+            return "qwen3" if self.qk_norm else "llama"
         if (self.norm, self.position_embedding, self.mlp) == ("layernorm", "learned", "gelu"):
             return "gpt2"
         return "custom"
@@ -156,7 +171,8 @@ class ModelConfig:
             mlp = d * self.num_experts + 3 * d * self.moe_intermediate_size * (routed + self.num_shared_experts)
         else:
             mlp = (3 if self.mlp == "swiglu" else 2) * d * f + b * ((2 * f if self.mlp == "swiglu" else f) + d)
-        per_layer = attn + mlp + 2 * norm
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0  # one weight per head dimension, shared by the heads
+        per_layer = attn + qk_norm + mlp + 2 * norm
         embeddings = V * d + (self.max_position_embeddings * d if self.position_embedding == "learned" else 0)
         head = 0 if self.tie_word_embeddings else V * d
         total = L * per_layer + norm + embeddings + head
@@ -247,9 +263,10 @@ def reshape_preset(name: str, hidden_size: int | None = None, num_hidden_layers:
 
 
 # Fields that are not the network's architecture: the tokenizer sets the vocabulary, the run sets the context,
-# dropout is a training choice. Two configs equal on every other field describe the same network shape.
+# dropout is a training choice, zero_init_residual an init choice. Two configs equal on every other field describe
+# the same network shape.
 NOT_ARCHITECTURE = ("vocab_size", "max_seq_len", "max_position_embeddings", "dropout", "gradient_checkpointing",
-                    "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate")
+                    "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate", "zero_init_residual")
 
 
 def architecture(config: ModelConfig) -> dict[str, Any]:

@@ -4,7 +4,10 @@
     python -m model.convert --from_hf hf_dir --out_dir pocketlm_dir         # <- same shapes back
 
 The export writes safetensors + config.json (+ generation_config.json and tokenizer files) directly, so it
-needs no `transformers` install and the result loads with AutoModelForCausalLM without remote code.
+needs no `transformers` install and the result loads with AutoModelForCausalLM without remote code. A Llama-style
+model with QK-norm (qk_norm) exports as Qwen3ForCausalLM, Llama's decoder with q_norm / k_norm in every attention
+(--from_hf imports it back; a Hub Qwen3 model only when its head_dim is hidden_size / heads, the one head size
+PocketLM computes).
 
 Mixture-of-experts models (num_experts > 0) export to the transformers architecture that computes them exactly,
 with experts stored one tensor each as the Hub checkpoints are (what transformers and llama.cpp read):
@@ -20,7 +23,7 @@ with experts stored one tensor each as the Hub checkpoints are (what transformer
 --from_hf imports all three back (refusing what PocketLM cannot compute: attention biases, sliding windows, dense
 layers among the MoE ones, a Qwen2-MoE shared expert with a non-zero gate, ...).
 
-GGUF for llama.cpp and Ollama (model/gguf.py: llama.cpp's `gguf` writer, Llama / GPT-2 / Mixtral-style MoE):
+GGUF for llama.cpp and Ollama (model/gguf.py: llama.cpp's `gguf` writer, Llama / Qwen3 / GPT-2 / Mixtral-style MoE):
 
     python -m model.convert --checkpoint out/<run> --to gguf --out model.gguf [--outtype f32|f16|q8_0]
 
@@ -101,7 +104,7 @@ def _gpt2_pairs(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
 
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename (and for GPT-2 fuse/transpose, for MoE split per expert) PocketLM tensors into transformers' layout."""
-    if cfg.style == "llama":
+    if cfg.style in ("llama", "qwen3"):  # Qwen3's q_norm / k_norm have PocketLM's names too
         return {(k if k == "lm_head.weight" else "model." + k): v for k, v in state.items()
                 if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     if cfg.style == "moe":
@@ -131,7 +134,7 @@ def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, t
 def from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], model_type: str = "llama"
                   ) -> dict[str, torch.Tensor]:
     """Inverse of to_hf_state (transformers names -> PocketLM names); model_type is the source's (config.json)."""
-    if cfg.style == "llama":
+    if cfg.style in ("llama", "qwen3"):
         return dict(state)  # read_state_dict already removed the "model." prefix
     if cfg.style == "moe":
         return _moe_from_hf_state(cfg, state, model_type)
@@ -173,13 +176,14 @@ def has_router_bias(state: dict[str, torch.Tensor]) -> bool:
 def hf_model_type(cfg: ModelConfig, router_bias: bool = False) -> str:
     """The transformers model_type that computes a model of `cfg` exactly (router_bias: whether its MoE routers
     have a non-zero selection bias, which only the weights tell), or a ConfigError saying why none does."""
-    if cfg.style in ("llama", "gpt2"):
+    if cfg.style in ("llama", "qwen3", "gpt2"):
         return cfg.style
     if cfg.style != "moe":
         raise ConfigError(f"no transformers class matches this architecture (norm={cfg.norm}, "
-                          f"position_embedding={cfg.position_embedding}, mlp={cfg.mlp}, bias={cfg.bias}); "
-                          "export supports the Llama style (rmsnorm/rope/swiglu, no bias; dense or mixture of "
-                          "experts) and the GPT-2 style (layernorm/learned/gelu)")
+                          f"position_embedding={cfg.position_embedding}, mlp={cfg.mlp}, bias={cfg.bias}, "
+                          f"qk_norm={cfg.qk_norm}, num_experts={cfg.num_experts}); export supports the Llama style "
+                          "(rmsnorm/rope/swiglu, no bias; dense or mixture of experts), the Qwen3 style (dense "
+                          "Llama style with qk_norm) and the GPT-2 style (layernorm/learned/gelu)")
     if router_bias:
         if not cfg.norm_topk_prob:
             raise ConfigError(
@@ -308,6 +312,11 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict[str, int]
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **_decoder_config(cfg),
                 "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim,
                 "attention_bias": False, "mlp_bias": False}
+    if kind == "qwen3":  # every layer attends to the whole context: no sliding window anywhere
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common, **_decoder_config(cfg),
+                "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim, "attention_bias": False,
+                "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_hidden_layers,
+                "layer_types": ["full_attention"] * cfg.num_hidden_layers}
     if kind == "gpt2":
         if cfg.num_key_value_heads != cfg.num_attention_heads:
             raise ConfigError("GPT-2 has no grouped-query attention: export needs num_key_value_heads == "
@@ -324,7 +333,8 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict[str, int]
 
 # transformers' defaults for keys a config.json may leave out, per model type:
 # (rms_norm_eps, rope_theta, max_position_embeddings, tie_word_embeddings)
-HF_DEFAULTS = {"llama": (1e-6, 1e4, 2048, False), "mixtral": (1e-5, 1e6, 131072, False),
+HF_DEFAULTS = {"llama": (1e-6, 1e4, 2048, False), "qwen3": (1e-6, 1e4, 32768, False),
+               "mixtral": (1e-5, 1e6, 131072, False),
                "qwen2_moe": (1e-6, 1e4, 32768, False), "ernie4_5_moe": (1e-5, 5e5, 131072, True)}
 
 
@@ -347,7 +357,7 @@ def _decoder_fields(hf: dict, need: Callable[[bool, str], None]) -> dict:
 
 
 def from_hf_config(hf: dict, source: str, state: dict[str, torch.Tensor] | None = None) -> ModelConfig:
-    """A ModelConfig equivalent to a transformers Llama, GPT-2, Mixtral, Qwen2-MoE or ERNIE 4.5 MoE config.json,
+    """A ModelConfig equivalent to a transformers Llama, Qwen3, GPT-2, Mixtral, Qwen2-MoE or ERNIE 4.5 MoE config.json,
     or a ConfigError saying why not. state (the weights, names without "model."): what only they tell, whether a
     Qwen2-MoE shared expert is gated (refused) or all zero (no shared experts)."""
     def need(cond: bool, what: str) -> None:
@@ -358,6 +368,13 @@ def from_hf_config(hf: dict, source: str, state: dict[str, torch.Tensor] | None 
     if kind == "llama":
         need(not hf.get("attention_bias") and not hf.get("mlp_bias"), "attention/mlp biases")
         return ModelConfig(**_decoder_fields(hf, need), intermediate_size=hf["intermediate_size"])
+    if kind == "qwen3":
+        need(not hf.get("attention_bias"), "attention biases")
+        need(not hf.get("use_sliding_window") and all(t == "full_attention" for t in hf.get("layer_types") or []),
+             "sliding-window attention (PocketLM attends to the whole context)")
+        hf = {"head_dim": 128, **hf}  # Qwen3Config's default, not hidden_size / heads
+        return ModelConfig(**_decoder_fields(hf, need), intermediate_size=hf.get("intermediate_size", 22016),
+                           qk_norm=True)
     if kind in MOE_MODEL_TYPES:
         return _moe_from_hf_config(hf, need, state)
     if kind == "gpt2":
@@ -374,7 +391,7 @@ def from_hf_config(hf: dict, source: str, state: dict[str, torch.Tensor] | None 
             initializer_range=hf.get("initializer_range", 0.02),
             norm="layernorm", position_embedding="learned", mlp="gelu", bias=True)
     raise ConfigError(f"{source}: model_type {kind!r} is not supported; expected one of "
-                      f"{['llama', 'gpt2', *MOE_MODEL_TYPES]}")
+                      f"{['llama', 'qwen3', 'gpt2', *MOE_MODEL_TYPES]}")
 
 
 def _moe_from_hf_config(hf: dict, need: Callable[[bool, str], None],
@@ -460,8 +477,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, config: ModelConfig |
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write a PocketLM model directory from a transformers Llama, GPT-2, Mixtral, Qwen2-MoE or ERNIE 4.5 MoE
-    directory of an architecture PocketLM computes."""
+    """Write a PocketLM model directory from a transformers Llama, Qwen3, GPT-2, Mixtral, Qwen2-MoE or ERNIE 4.5
+    MoE directory of an architecture PocketLM computes."""
     from .loading import load_state_into
 
     hf_dir = Path(hf_dir)
@@ -523,7 +540,7 @@ def to_peft_state(cfg: ModelConfig, spec: LoraSpec, state: dict[str, torch.Tenso
                   ) -> tuple[dict[str, torch.Tensor], list[str], dict[str, int], dict[str, float]]:
     """PocketLM adapter tensors -> (peft tensors, target_modules, rank_pattern, alpha_pattern) for the
     transformers export of a model of `cfg` (router_bias: whether the base's MoE routers have a selection bias)."""
-    if cfg.style in ("llama", "moe"):  # same module names, under the transformers model's "model."
+    if cfg.style in ("llama", "qwen3", "moe"):  # same module names, under the transformers model's "model."
         if hf_model_type(cfg, router_bias) == "ernie4_5_moe":  # B's rows follow the base's q/k rows
             state = {k: interleave_rope_rows(v, cfg.head_dim) if _is_qk(k.replace(".lora_B", "")) else v
                      for k, v in state.items()}
@@ -605,8 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="PocketLM run dir, model dir, or weights file (.safetensors/.pth); a LoRA "
                                           "run exports merged")
-    src.add_argument("--from_hf", help="transformers directory to import (Llama, GPT-2, Mixtral, Qwen2-MoE or "
-                                       "ERNIE 4.5 MoE)")
+    src.add_argument("--from_hf", help="transformers directory to import (Llama, Qwen3, GPT-2, Mixtral, Qwen2-MoE "
+                                       "or ERNIE 4.5 MoE)")
     src.add_argument("--merge_lora", metavar="RUN_OR_DIR",
                      help="LoRA run or checkpoint: write its merged weights as a plain PocketLM dir to --out_dir")
     p.add_argument("--to", choices=("hf", "gguf"), default="hf",

@@ -4,13 +4,17 @@
 
 What llama.cpp needs, and how each PocketLM piece maps onto it:
 
-- Architecture. Llama-style models are `llama`; GPT-2-style ones `gpt2` (q, k, v fused into attn_qkv, zero biases
-  written where the model has none, as the transformers export does); a mixture of experts whose routing is
-  Mixtral's (no shared experts, top-k renormalised, no routing bias) is `llama` with expert tensors, which
-  llama.cpp computes the Mixtral way. Other MoE models are refused: no llama.cpp architecture computes them.
+- Architecture. Llama-style models are `llama`; with QK-norm (qk_norm) `qwen3`, whose attn_q_norm / attn_k_norm
+  normalise each head before RoPE as PocketLM's q_norm / k_norm do; GPT-2-style ones `gpt2` (q, k, v fused into
+  attn_qkv, zero biases written where the model has none, as the transformers export does); a mixture of experts
+  whose routing is Mixtral's (no shared experts, top-k renormalised, no routing bias) is `llama` with expert
+  tensors, which llama.cpp computes the Mixtral way. Other MoE models are refused: no llama.cpp architecture
+  computes them (nor a mixture of experts with QK-norm).
 - RoPE. PocketLM rotates the pairs (i, i + D/2) of each head (Hugging Face's rotate_half); llama.cpp's `llama`
   rotates adjacent pairs (2i, 2i + 1). Like llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute), the rows of
-  q and k are reordered within each head, which leaves every attention score unchanged.
+  q and k are reordered within each head, which leaves every attention score unchanged. `qwen3` rotates the
+  halves as PocketLM does (NEOX RoPE), so its rows stay as they are (and so do the per-dimension weights of the
+  QK-norms, which a reordering would have to follow).
 - Tokenizer. Byte-level BPE with GPT-2's pre-tokenizer regex: tokenizer.ggml.model = "gpt2" and
   tokenizer.ggml.pre = "gpt-2" (llama.cpp's name for that regex; "gpt2" does not load). Tokens in id order,
   special ones as CONTROL, merges, bos/eos/pad/unk ids as tokenizer_config.json names them, no BOS added (PocketLM
@@ -38,11 +42,12 @@ OUTTYPES = ("f32", "f16", "q8_0")
 # tokenizer.ggml.pre for a byte-level BPE split by GPT-2's regex (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).
 GPT2_PRE_TOKENIZER = "gpt-2"
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"
-# PocketLM -> llama.cpp tensor names within a layer, for the llama architecture.
+# PocketLM -> llama.cpp tensor names within a layer, for the llama and qwen3 architectures.
 LLAMA_LAYER_TENSORS = {"input_layernorm.weight": "attn_norm.weight",
                        "post_attention_layernorm.weight": "ffn_norm.weight",
                        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
                        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                       "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
                        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
                        "mlp.down_proj.weight": "ffn_down.weight",
                        # Mixtral-style experts, stacked (experts, out, in) as llama.cpp's *_exps tensors are
@@ -65,8 +70,9 @@ class GGUFExport:
 
 # ----------------------------------------------------------------------------- weights
 def gguf_architecture(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
-    """The llama.cpp architecture that computes a model of `cfg` exactly ('llama' or 'gpt2'), or a ConfigError."""
-    if cfg.style in ("llama", "gpt2"):
+    """The llama.cpp architecture that computes a model of `cfg` exactly ('llama', 'qwen3' or 'gpt2'), or a
+    ConfigError."""
+    if cfg.style in ("llama", "qwen3", "gpt2"):
         return cfg.style
     if cfg.style == "moe":
         router_bias = any(bool(v.any()) for k, v in state.items() if k.endswith("mlp.router_bias"))
@@ -80,13 +86,17 @@ def gguf_architecture(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
             f"GGUF export of this mixture-of-experts model is not supported ({'; '.join(problems)}): llama.cpp's "
             "llama architecture computes only Mixtral routing (no shared experts, renormalised top-k, no routing "
             "bias). Export it to transformers instead (--to hf)")
-    raise ConfigError(f"GGUF export supports the Llama style (rmsnorm/rope/swiglu, no bias) and the GPT-2 style "
-                      f"(layernorm/learned/gelu); this model has norm={cfg.norm}, position_embedding="
-                      f"{cfg.position_embedding}, mlp={cfg.mlp}, bias={cfg.bias}")
+    raise ConfigError(f"GGUF export supports the Llama style (rmsnorm/rope/swiglu, no bias; with qk_norm: Qwen3) "
+                      f"and the GPT-2 style (layernorm/learned/gelu); this model has norm={cfg.norm}, "
+                      f"position_embedding={cfg.position_embedding}, mlp={cfg.mlp}, bias={cfg.bias}, "
+                      f"qk_norm={cfg.qk_norm}, num_experts={cfg.num_experts}")
 
 
-def llama_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """PocketLM Llama (or Mixtral-style MoE) tensors under llama.cpp's names, q and k rows permuted."""
+def llama_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str = "llama") -> dict[str, torch.Tensor]:
+    """PocketLM Llama (or Mixtral-style MoE) tensors under llama.cpp's names, q and k rows permuted for `llama`;
+    with arch 'qwen3', a Qwen3-style model's, QK-norms included and nothing permuted."""
+    if cfg.qk_norm != (arch == "qwen3"):  # llama would drop the QK-norms; qwen3 needs them
+        raise ConfigError(f"llama.cpp's {arch} architecture does not match this model (qk_norm={cfg.qk_norm})")
     out = {"token_embd.weight": state["embed_tokens.weight"], "output_norm.weight": state["norm.weight"]}
     if not cfg.tie_word_embeddings:  # tied: llama.cpp reuses token_embd when output.weight is absent
         out["output.weight"] = state["lm_head.weight"]
@@ -95,9 +105,7 @@ def llama_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str,
             w = state.get(f"layers.{i}.{ours}")
             if w is None:
                 continue  # dense models have no experts, MoE models no dense MLP
-            if ours == "self_attn.q_proj.weight":
-                w = interleave_rope_rows(w, cfg.head_dim)
-            elif ours == "self_attn.k_proj.weight":
+            if arch == "llama" and ours in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 w = interleave_rope_rows(w, cfg.head_dim)
             out[f"blk.{i}.{theirs}"] = w
     return out
@@ -223,7 +231,7 @@ def export_gguf(checkpoint: str | Path, out: str | Path, outtype: str = "f32",
     arch = gguf_architecture(cfg, state)  # refuses what llama.cpp cannot compute before anything is written
     tokenizer_dir = _tokenizer_dir(model_dir, cfg.vocab_size)
     vocab = read_tokenizer(tokenizer_dir, cfg.vocab_size)
-    tensors = gpt2_tensors(cfg, state) if arch == "gpt2" else llama_tensors(cfg, state)
+    tensors = gpt2_tensors(cfg, state) if arch == "gpt2" else llama_tensors(cfg, state, arch)
     name = Path(checkpoint).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

@@ -2,8 +2,8 @@
 
 Read top-down: norms -> rotary positions -> attention (with GQA and a preallocated KV cache) -> MLP (dense, or a
 mixture of experts) -> block -> the model. Parameter names follow the Hugging Face Llama layout
-(`layers.0.self_attn.q_proj.weight`, ...), so exporting is a rename and MiniMind checkpoints, which use the same
-names, load as they are.
+(`layers.0.self_attn.q_proj.weight`, ...; QK-norm's `self_attn.q_norm.weight` as in Qwen3), so exporting is a
+rename and MiniMind checkpoints, which use the same names, load as they are.
 """
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def set_attention_policy() -> None:
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with grouped-query heads, rotary positions and SDPA."""
+    """Multi-head causal self-attention with grouped-query heads, rotary positions and SDPA (and QK-norm when
+    cfg.qk_norm)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -127,6 +128,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, kv, bias=cfg.bias)
         self.v_proj = nn.Linear(d, kv, bias=cfg.bias)
         self.o_proj = nn.Linear(d, d, bias=cfg.bias)
+        # QK-norm (Qwen3, OLMo 2, modded-nanogpt): each head's query and key RMS-normalised over head_dim, with a
+        # learned weight shared by the heads. A logit q.k / sqrt(D) is then at most sqrt(D) * max|w_q| * max|w_k|,
+        # however large the projections grow: attention cannot saturate into one-hot weights (whose gradients
+        # vanish), which is what lets higher learning rates train stably.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
@@ -137,9 +144,12 @@ class Attention(nn.Module):
         A method of its own so that model/stats.py recomputes attention weights from exactly these q and k.
         """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # per head, before RoPE: where Qwen3 (and so the export) normalises
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v
@@ -381,23 +391,37 @@ class PocketLM(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2 * n_layers).
+        """GPT-2 init: N(0, 0.02) everywhere, residual projections scaled by 1/sqrt(2 * n_layers); norms (QK-norm's
+        too) at one.
 
         Each block adds two residual branches; scaling their output projections keeps the residual stream's
-        variance from growing with depth.
+        variance from growing with depth. With zero_init_residual they start at zero instead (modded-nanogpt):
+        every block begins as the identity and the model as a bigram model, which trains more stably at high
+        learning rates. Gradients still reach every weight from the second step on: the first step's gradient
+        of an output projection is not zero (its input is not), and once it is non-zero the branch behind it
+        gets gradients too.
         """
         std = self.config.initializer_range
+        residual_std = std * (1 / math.sqrt(2 * self.config.num_hidden_layers))
+
+        def init_residual(weight: torch.Tensor) -> None:
+            if self.config.zero_init_residual:
+                nn.init.zeros_(weight)
+            else:
+                nn.init.normal_(weight, mean=0.0, std=residual_std)
+
         for name, module in self.named_modules():
-            residual_scale = 1 / math.sqrt(2 * self.config.num_hidden_layers)
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                scale = residual_scale if name.endswith(("o_proj", "down_proj")) else 1.0
-                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                if name.endswith(("o_proj", "down_proj")):  # the shared experts' down_proj too
+                    init_residual(module.weight)
+                else:
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, Experts):  # each expert initialised as a dense MLP would be
                 nn.init.normal_(module.gate_proj, mean=0.0, std=std)
                 nn.init.normal_(module.up_proj, mean=0.0, std=std)
-                nn.init.normal_(module.down_proj, mean=0.0, std=std * residual_scale)
+                init_residual(module.down_proj)
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:

@@ -16,8 +16,11 @@ from model import ModelConfig, get_preset  # noqa: E402
 
 
 def tiny_config(style: str = "llama", **overrides) -> ModelConfig:
-    """A 2-layer, d64 model: fast enough for logic tests. vocab 256 keeps softmaxes cheap."""
+    """A 2-layer, d64 model: fast enough for logic tests. vocab 256 keeps softmaxes cheap. Styles: "llama",
+    "qwen3" (Llama with QK-norm), "gpt2"."""
     base = dict(vocab_size=256, max_seq_len=64, max_position_embeddings=256)
+    if style == "qwen3":
+        base.update(qk_norm=True)
     if style == "gpt2":
         base.update(norm="layernorm", position_embedding="learned", mlp="gelu", bias=True,
                     num_key_value_heads=4)

@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 CASES = {
     "llama-gqa-tied": tiny_config("llama", rope_theta=5e4),
     "llama-mha-untied": tiny_config("llama", num_key_value_heads=4, tie_word_embeddings=False),
+    "qwen3-gqa-tied": tiny_config("qwen3", rope_theta=5e4, norm_eps=1e-6),  # Llama + QK-norm: Qwen3ForCausalLM
+    "qwen3-mha-untied": tiny_config("qwen3", num_key_value_heads=4, tie_word_embeddings=False),
     "gpt2-tied": tiny_config("gpt2", norm_eps=1e-3),  # not GPT-2's default eps, so the export must write it
     "gpt2-untied-nobias": tiny_config("gpt2", tie_word_embeddings=False, bias=False),
 }
@@ -39,7 +41,7 @@ def test_export_logits_match_transformers(case, tmp_path):
     save_model(model, tmp_path / "ours")
     export_hf(tmp_path / "ours", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    expected_cls = "GPT2LMHeadModel" if case.startswith("gpt2") else "LlamaForCausalLM"
+    expected_cls = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM"}.get(case.split("-")[0], "LlamaForCausalLM")
     assert type(hf).__name__ == expected_cls
     ids = torch.randint(0, 256, (2, 100))  # longer than max_seq_len (64): RoPE past the training context
     with torch.no_grad():

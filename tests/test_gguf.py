@@ -253,6 +253,41 @@ def test_mixtral_style_moe_exports_as_llama_with_experts(llama_cpp, tmp_path, to
     assert diff < 1e-4
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_qk_norm_model_exports_as_qwen3(llama_cpp, tmp_path, tokenizer, tied):
+    """A Llama-style model with QK-norm is llama.cpp's qwen3: the norms as attn_q_norm / attn_k_norm (f32), and q/k
+    rows as they are, since qwen3 rotates the halves of each head (NEOX RoPE) as PocketLM does. Tied: llama.cpp
+    reuses token_embd as the output."""
+    cfg = tiny_config("qwen3", vocab_size=VOCAB, rope_theta=5e4, norm_eps=1e-6, tie_word_embeddings=tied)
+    model = random_model(cfg, scale=8)
+    save_model(model, tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    done = export_gguf(tmp_path / "m", tmp_path / "m.gguf", outtype="f16")
+    assert done.architecture == "qwen3"
+    reader = gguf.GGUFReader(done.path)
+    tensors = {t.name: t for t in reader.tensors}
+    assert {tensors[f"blk.1.attn_{n}_norm.weight"].tensor_type.name for n in "qk"} == {"F32"}
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == "F16" and ("output.weight" in tensors) != tied
+    q_rows = np.asarray(tensors["blk.0.attn_q.weight"].data, dtype=np.float32)  # (out, in): not permuted
+    want = model.layers[0].self_attn.q_proj.weight.detach().half().float().numpy()
+    assert np.array_equal(q_rows, want)
+    export_gguf(tmp_path / "m", tmp_path / "m32.gguf")
+    llm = load(llama_cpp, tmp_path / "m32.gguf")
+    assert llm.metadata["general.architecture"] == "qwen3" and float(llm.metadata["qwen3.rope.freq_base"]) == 5e4
+    diff = max_diff(llm, model, tokenizer)
+    print(f"qwen3 f32: max |logit diff| = {diff:.2e}")
+    assert diff < 1e-4
+    for text in PROMPTS[:3]:  # greedy decoding through llama.cpp's KV cache, token for token
+        prompt = tokenizer.encode(text)
+        ours = generate(model, [prompt], max_new_tokens=20, temperature=0)[0]
+        theirs = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            theirs.append(token)
+            if len(theirs) == len(ours):
+                break
+        assert len(ours) == 20 and theirs == ours, text
+        assert len(set(ours)) > 10
+
+
 def test_bf16_weights_and_a_padded_vocabulary(llama_cpp, tmp_path, tokenizer):
     """A bf16 checkpoint exports exactly (upcast) and a vocabulary rounded up past the tokenizer's 6400 tokens gets
     unused placeholder tokens, as llama.cpp's converter writes them."""

@@ -208,7 +208,7 @@ def test_dropout_acts_in_training_only():
 
 # ------------------------------------------------------------------------------- merge
 @pytest.mark.parametrize("style, targets", [("llama", ATTENTION), ("llama", ALL_LLAMA), ("gpt2", ALL_GPT2),
-                                            ("gpt2", ("q_proj", "v_proj", "down_proj"))])
+                                            ("gpt2", ("q_proj", "v_proj", "down_proj")), ("qwen3", ATTENTION)])
 def test_merge_gives_the_same_logits(style, targets):
     model = _base(style)
     ids = _ids(t=40)
@@ -411,7 +411,8 @@ def test_hf_export_of_a_lora_run_is_the_merged_model(tmp_path):
 
 # ------------------------------------------------------------------------ peft export
 @pytest.mark.parametrize("style, targets", [("llama", ATTENTION), ("llama", ALL_LLAMA), ("gpt2", ALL_GPT2),
-                                            ("gpt2", ("k_proj", "v_proj", "down_proj")), ("gpt2", ("q_proj",))])
+                                            ("gpt2", ("k_proj", "v_proj", "down_proj")), ("gpt2", ("q_proj",)),
+                                            ("qwen3", ALL_LLAMA)])  # Qwen3ForCausalLM: the Llama module names
 def test_peft_export_loads_in_peft_with_equal_logits(tmp_path, capsys, style, targets):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")

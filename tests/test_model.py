@@ -41,7 +41,8 @@ def test_known_preset_sizes():
 
 
 @pytest.mark.parametrize("overrides", [dict(tie_word_embeddings=False), dict(bias=True),
-                                       dict(norm="layernorm", bias=False)])
+                                       dict(norm="layernorm", bias=False), dict(qk_norm=True),
+                                       dict(qk_norm=True, num_experts=4, moe_intermediate_size=32)])
 def test_parameter_count_variants(overrides):
     cfg = tiny_config(**overrides)
     assert PocketLM(cfg).num_parameters() == cfg.num_parameters()
@@ -243,6 +244,7 @@ def test_unknown_preset_lists_the_valid_ones():
 def test_style_names_only_the_reference_architectures():
     assert tiny_config().style == "llama" and tiny_config("gpt2").style == "gpt2"
     assert tiny_config("gpt2", bias=False).style == "gpt2"  # GPT-2 export writes zero biases
+    assert tiny_config("qwen3").style == "qwen3"  # Llama with QK-norm: exports as Qwen3
     # a Llama with biases, or a mix of switches, has no transformers class: export must refuse it
     for overrides in (dict(bias=True), dict(norm="layernorm"), dict(mlp="gelu"), dict(position_embedding="learned")):
         assert tiny_config(**overrides).style == "custom", overrides
