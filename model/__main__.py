@@ -36,6 +36,9 @@ class StepOptions:
     dtype: Literal["float32", "bfloat16", "float16"] = option(
         "bfloat16", "autocast dtype (the trainers' --dtype auto is bfloat16 on GPUs and on CPUs with native bf16)")
     grad_checkpointing: bool = option(False, "recompute blocks in backward: keep only each block's input")
+    qk_norm: bool | None = option(None, "RMSNorm of each head's queries and keys (it saves more activations)")
+    optimizer: Literal["adamw", "muon"] = option("adamw", "whose state is counted: AdamW on every weight, or Muon "
+                                                          "on the hidden matrices and AdamW on the rest")
 
 
 @dataclass
@@ -48,6 +51,8 @@ class ModelCommand:
 def model_config(o: StepOptions) -> ModelConfig:
     """The config the trainers build from the same flags."""
     extra = {} if o.vocab_size is None else {"vocab_size": o.vocab_size}
+    if o.qk_norm is not None:
+        extra["qk_norm"] = o.qk_norm
     return reshape_preset(o.preset, o.hidden_size, o.num_hidden_layers, o.max_seq_len, **extra)
 
 
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = model_config(o)
         estimate = estimate_memory(cfg, o.batch_size, cfg.max_seq_len, o.dtype, o.grad_checkpointing,
-                                   o.accumulation_steps, name=model_name(cfg))
+                                   o.accumulation_steps, name=model_name(cfg), optimizer=o.optimizer)
     except PocketLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

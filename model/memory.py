@@ -11,6 +11,9 @@ Held for the whole run, and the gradients
     parameters     4P                  fp32 master weights: autocast casts copies, never the weights themselves
     buffers        8 * max_position_embeddings * head_dim        the RoPE cos/sin tables
     AdamW state    8P + 4 per tensor   exp_avg, exp_avg_sq and a step counter, all fp32
+    Muon state     4M + AdamW's on the rest    --optimizer muon: one fp32 momentum buffer for the M parameters of
+                   the hidden matrices; the optimizer step adds, for one matrix at a time, its Newton-Schulz
+                   working set (an fp32 momentum blend, bf16 iterates, Gram matrices), below the end of backward
     gradients      4P                  fp32 like the parameters, from backward until the optimizer step
 
 Saved for backward by one block, per token (an op keeps only what its gradient formula reads):
@@ -22,6 +25,10 @@ Saved for backward by one block, per token (an op keeps only what its gradient f
     attention      4 * a*d + 4H   q after RoPE, k and v after the GQA repeat (d wide), the output, and the
                    fp32 log-sum-exp of the flash kernel; the T x T attention weights are never stored. RoPE's
                    products keep the cos/sin tables, not q or k, so the projections' outputs are freed.
+    QK-norm        (4 + a) * (d + kv) + 4 * (H + KV)    qk_norm (KV key heads, kv = KV * head_dim wide): RMSNorm
+                   keeps the fp32 q and k (under autocast, their fp32 casts), the rsqrt of each head and the
+                   normalised q and k (autocast: their a-byte casts). They leave the norms in fp32, so RoPE casts
+                   no tables and SDPA casts q and k as before.
     MLP            SwiGLU 4 * a*f (gate, silu(gate), up, their product); GELU 2 * a*f (its input and output)
     weight copies  autocast only, per block rather than per token: the a-byte copy of every linear weight,
                    which the matmul keeps for its input's gradient
@@ -117,6 +124,8 @@ in one piece rather than expert by expert, so where an expert's moment is the pe
 
 Checked against measured peaks (tests/test_memory.py; measure_step_peak profiles every allocation of one step
 on CPU): 2-layer models within 0.25% in fp32 and 3.5% in bf16; minimind-26m at batch 8 x 512 within 0.12%.
+With QK-norm the activations are exact in fp32 and bf16, the peaks as close as without it (2-layer models: 0.0% to
++0.5% in fp32, -0.5% in bf16 with checkpointing).
 Mixtures of experts (2 layers, d 128, 4 experts top-2, with and without a shared expert, with a z-loss, with
 checkpointing; and shapes whose peak is the combine's or the recomputation's): within 0.03% in fp32 and 0.08% in
 bf16/fp16 (the RoPE tables' casts); -0.48% with accumulation in fp32 (the tied embedding's gradient that each
@@ -171,6 +180,7 @@ class MemoryEstimate:
     experts_per_token: int = 0
     shared_experts: int = 0
     active_parameters: int = 0
+    optimizer_name: str = "adamw"  # whose state `optimizer` counts: adamw, or muon (+ AdamW on the rest)
 
     @property
     def persistent(self) -> int:
@@ -185,6 +195,10 @@ class MemoryEstimate:
     def peak(self) -> int:
         """The estimated peak bytes of live tensors during a training step."""
         return self.persistent + self.moments[self.peak_moment]
+
+    @property
+    def state_name(self) -> str:
+        return "Muon state" if self.optimizer_name == "muon" else "AdamW state"
 
     @property
     def experts_label(self) -> str:
@@ -227,14 +241,15 @@ class MemoryEstimate:
         rows = [("parameters", self.parameters, f"fp32 master weights{every}"),
                 *([("buffers", self.buffers, buffers)] if self.buffers else []),
                 ("gradients", self.gradients, "fp32, from backward to the optimizer step"),
-                ("AdamW state", self.optimizer, "exp_avg + exp_avg_sq, fp32"),
+                (self.state_name, self.optimizer, "Muon momentum of the hidden matrices + AdamW's on the rest, fp32"
+                 if self.optimizer_name == "muon" else "exp_avg + exp_avg_sq, fp32"),
                 ("activations", self.activations, f"saved for backward: {saved} + final norm and loss{copies}"),
                 ("logits", self.logits, "until the loss is computed"),
-                ("total (peak)", self.peak, f"at the {self.peak_moment}: parameters + buffers + AdamW state + "
+                ("total (peak)", self.peak, f"at the {self.peak_moment}: parameters + buffers + {self.state_name} + "
                                             f"{fmt(self.moments[self.peak_moment])}")]
         out = [f"memory for one training step: {self.label}"]
         out += [f"  {name:<14}{fmt(n):>11}  {note}" for name, n, note in rows]
-        out.append("  held beyond parameters + buffers + AdamW state, at each moment that may be the peak:")
+        out.append(f"  held beyond parameters + buffers + {self.state_name}, at each moment that may be the peak:")
         out += [f"    {name:<22}{fmt(n):>11}" + ("  <- peak" if name == self.peak_moment else "")
                 for name, n in self.moments.items()]
         return out
@@ -254,8 +269,24 @@ def parameter_tensors(cfg: ModelConfig) -> int:
     else:
         linears = 4 + (3 if cfg.mlp == "swiglu" else 2)
         block = 2 * norm + linears * biased
+    block += 2 if cfg.qk_norm else 0  # q_norm, k_norm
     return (1 + (cfg.position_embedding == "learned") + cfg.num_hidden_layers * block + norm
             + (not cfg.tie_word_embeddings))
+
+
+def muon_matrices(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, tensors) of the hidden matrices --optimizer muon orthogonalises: each block's attention
+    projections and its dense MLP (a mixture of experts: the shared experts' MLP; routers and the 3-D expert
+    stacks stay on AdamW, see trainer_utils/optim.is_hidden_matrix)."""
+    d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    attention = 2 * d * d + 2 * d * kv
+    if cfg.moe:
+        linears = 3 if cfg.num_shared_experts else 0
+        mlp = 3 * d * cfg.moe_intermediate_size * cfg.num_shared_experts
+    else:
+        linears = 3 if cfg.mlp == "swiglu" else 2
+        mlp = linears * d * cfg.intermediate_size
+    return cfg.num_hidden_layers * (attention + mlp), cfg.num_hidden_layers * (4 + linears)
 
 
 class MoEBlock(NamedTuple):
@@ -369,11 +400,14 @@ def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool, recomputed: 
 
 def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str | torch.dtype = "float32",
                     grad_checkpointing: bool = False, accumulation_steps: int = 1,
-                    name: str | None = None) -> MemoryEstimate:
-    """Estimate the bytes one AdamW training step of PocketLM(cfg) keeps alive (see the module docstring).
+                    name: str | None = None, optimizer: str = "adamw") -> MemoryEstimate:
+    """Estimate the bytes one training step of PocketLM(cfg) keeps alive (see the module docstring).
 
-    dtype is the autocast dtype ("float32": none), as a name or a torch.dtype (the trainer's Precision.dtype).
+    dtype is the autocast dtype ("float32": none), as a name or a torch.dtype (the trainer's Precision.dtype);
+    optimizer is "adamw" or "muon" (trainer_utils/optim.py: Muon on the hidden matrices, AdamW on the rest).
     """
+    if optimizer not in ("adamw", "muon"):
+        raise ConfigError(f"optimizer {optimizer!r}; the estimate knows adamw and muon")
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     if dtype not in DTYPE_BYTES:
@@ -396,7 +430,11 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
     parameters = gradients = 4 * P
     buffers = 2 * 4 * cfg.max_position_embeddings * cfg.head_dim if cfg.position_embedding == "rope" else 0
     buffers += 4 * cfg.num_experts * L  # each MoE layer's routing bias (fp32)
-    optimizer = 2 * 4 * P + 4 * parameter_tensors(cfg)
+    if optimizer == "muon":  # a momentum buffer for each hidden matrix; AdamW's two moments and step on the rest
+        matrices, tensors = muon_matrices(cfg)
+        optimizer_state = 4 * matrices + 2 * 4 * (P - matrices) + 4 * (parameter_tensors(cfg) - tensors)
+    else:
+        optimizer_state = 2 * 4 * P + 4 * parameter_tensors(cfg)
 
     # ---- saved for backward by one block (bytes for all N tokens)
     norm = N * (4 * d + 4 if cfg.norm == "rmsnorm" else 8)  # what a norm keeps besides its input
@@ -406,6 +444,8 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
     # fp32: one norm output shared by its linears; autocast: one a-byte copy per linear
     norm_outputs = a * d * N * (3 + mlp_linears) if autocast else 2 * 4 * d * N
     attention = 4 * a * d * N + 4 * H * N
+    if cfg.qk_norm:  # per query / key head: the fp32 input (autocast: a cast), its rsqrt, the output (a-byte cast)
+        attention += (4 + a) * (d + kv) * N + 4 * (H + cfg.num_key_value_heads) * N
     mlp = moe.saved if moe else (4 if swiglu else 2) * a * f * N
     # linear weights, biases aside
     block_weights = 2 * d * d + 2 * d * kv + (moe.weights if moe else (3 if swiglu else 2) * d * f)
@@ -457,9 +497,9 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
         "end of backward": gradients + (2 * 4 * V * d if cfg.tie_word_embeddings else block_input),
     }
     return MemoryEstimate(name or "model", P, L, batch_size, seq_len, dtype, grad_checkpointing, accumulation_steps,
-                          parameters, buffers, gradients, optimizer, activations, weight_copies, saved_per_block,
-                          logits, moments, cfg.num_experts, cfg.num_experts_per_tok if moe else 0,
-                          cfg.num_shared_experts if moe else 0, cfg.num_parameters(active=True))
+                          parameters, buffers, gradients, optimizer_state, activations, weight_copies,
+                          saved_per_block, logits, moments, cfg.num_experts, cfg.num_experts_per_tok if moe else 0,
+                          cfg.num_shared_experts if moe else 0, cfg.num_parameters(active=True), optimizer)
 
 
 # ---------------------------------------------------------------------------------------------- measuring

@@ -49,9 +49,10 @@ TOLERANCE = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
 
 
 def small_config(style: str = "llama", d: int = 64, vocab: int = 256, **overrides) -> ModelConfig:
-    """A 2-layer model with 16-wide heads; GPT-2 style switches the norm, positions, MLP and biases."""
+    """A 2-layer model with 16-wide heads; GPT-2 style switches the norm, positions, MLP and biases, Qwen3 style
+    adds QK-norm."""
     base = dict(vocab_size=vocab, hidden_size=d, num_attention_heads=d // 16, max_seq_len=64,
-                max_position_embeddings=256)
+                max_position_embeddings=256, qk_norm=style == "qwen3")
     if style == "gpt2":
         base.update(norm="layernorm", position_embedding="learned", mlp="gelu", bias=True,
                     num_key_value_heads=d // 16)
@@ -64,11 +65,11 @@ class TrainingStep:
     (clip, fused AdamW, zero_grad)."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str = "float32",
-                 grad_checkpointing: bool = False, accumulation_steps: int = 1) -> None:
+                 grad_checkpointing: bool = False, accumulation_steps: int = 1, optimizer: str = "adamw") -> None:
         self.model = PocketLM(cfg).train()
         self.model.set_gradient_checkpointing(grad_checkpointing)
         # the trainers' defaults: AdamW (fused on CPU), weight decay 0.1 on matrices, betas (0.9, 0.95)
-        self.optimizer = build_optimizer(self.model, "adamw", 5e-4, 0.1, (0.9, 0.95), 0.9, CPU)
+        self.optimizer = build_optimizer(self.model, optimizer, 5e-4, 0.1, (0.9, 0.95), 0.9, CPU)
         precision = Precision(CPU, getattr(torch, dtype))
         self.backend = TorchBackend(Comm(), CPU, precision, grad_clip=1.0)
         self.router = RouterBalance(cfg, self.backend, CPU) if cfg.moe else None
@@ -105,7 +106,7 @@ MOE = dict(num_experts=4, num_experts_per_tok=2)
 
 
 @pytest.mark.parametrize("style,overrides", [("llama", {}), ("gpt2", {}), ("llama", dict(tie_word_embeddings=False)),
-                                             ("llama", dict(MOE, num_shared_experts=1, bias=True))])
+                                             ("llama", dict(MOE, num_shared_experts=1, bias=True)), ("qwen3", {})])
 def test_parameters_buffers_gradients_and_adamw_state_are_exact(style, overrides):
     cfg = small_config(style, **overrides)
     est = estimate_memory(cfg, 2, 64)
@@ -121,6 +122,21 @@ def test_parameters_buffers_gradients_and_adamw_state_are_exact(style, overrides
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     assert len(state) == 3 * len(params)  # exp_avg, exp_avg_sq, step
     assert est.optimizer == sum(v.numel() * v.element_size() for v in state)
+
+
+@pytest.mark.parametrize("style,overrides", [("llama", {}), ("gpt2", {}), ("llama", dict(tie_word_embeddings=False)),
+                                             ("llama", dict(MOE, num_shared_experts=1, bias=True)), ("llama", MOE),
+                                             ("qwen3", {})])
+def test_muon_state_is_exact(style, overrides):
+    """--optimizer muon: a momentum buffer per hidden matrix, AdamW's state for every other tensor."""
+    cfg = small_config(style, **overrides)
+    est = estimate_memory(cfg, 2, 64, optimizer="muon")
+    step = TrainingStep(cfg, 2, 64, optimizer="muon")
+    step()
+    state = [v for s in step.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert est.optimizer == sum(v.numel() * v.element_size() for v in state)
+    assert est.optimizer < estimate_memory(cfg, 2, 64).optimizer
+    assert "Muon state" in "\n".join(est.lines())
 
 
 def saved_for_backward(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str) -> int:
@@ -144,13 +160,16 @@ def saved_for_backward(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: s
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("style", ["llama", "gpt2"])
+@pytest.mark.parametrize("style", ["llama", "gpt2", "qwen3"])
 def test_activations_are_what_autograd_saves(style):
     cfg = small_config(style)
     assert estimate_memory(cfg, 4, 64).activations == saved_for_backward(cfg, 4, 64, "float32")
-    # autocast also saves the bf16 casts of RoPE's cos/sin tables (O(seq_len), left out of the estimate)
+    # autocast also saves the bf16 casts of RoPE's cos/sin tables (O(seq_len), left out of the estimate), except
+    # with QK-norm, whose fp32 output RoPE rotates without casting them
     est, saved = estimate_memory(cfg, 4, 64, "bfloat16").activations, saved_for_backward(cfg, 4, 64, "bfloat16")
     assert est <= saved < est * 1.01
+    if style == "qwen3":
+        assert est == saved
 
 
 @pytest.mark.parametrize("overrides", [dict(MOE), dict(MOE, num_shared_experts=1),
@@ -181,7 +200,21 @@ PEAK_CASES = [
     ("gpt2", 128, 256, 2, "float32", False, 1),
     ("gpt2", 64, 256, 2, "bfloat16", True, 1),
     ("llama", 64, 6400, 2, "float16", False, 1),  # with the GradScaler's loss scaling
+    ("qwen3", 128, 256, 2, "float32", False, 1),  # QK-norm's saved tensors, in the last block's backward
+    ("qwen3", 128, 256, 2, "bfloat16", True, 1),
 ]
+
+
+@pytest.mark.parametrize("style,dtype,ckpt", [("llama", "float32", False), ("llama", "bfloat16", True),
+                                              ("gpt2", "float32", False)])
+def test_estimated_peak_with_muon_matches_the_measured_peak(style, dtype, ckpt):
+    """Muon's smaller state and its one-matrix-at-a-time Newton-Schulz step (never the peak)."""
+    cfg = small_config(style, 128, 6400)
+    est = estimate_memory(cfg, 2, 64, dtype, ckpt, optimizer="muon")
+    measured = measured_step_peak(TrainingStep(cfg, 2, 64, dtype, ckpt, optimizer="muon"))
+    error = est.peak / measured - 1
+    assert abs(error) <= TOLERANCE[dtype], (f"estimate {est.peak:,} vs measured {measured:,} bytes ({error:+.2%}), "
+                                            f"peak at the {est.peak_moment}: {est.moments}")
 
 
 @pytest.mark.parametrize("style,d,vocab,batch,dtype,ckpt,accum", PEAK_CASES)
@@ -376,6 +409,16 @@ def test_the_trainer_prints_the_estimate_and_logs_the_measured_peak_beside_it(co
     assert f"memory: estimated peak {fmt(expected.peak)} (at the {expected.peak_moment})\n" in err
     assert f"memory: estimated peak {fmt(expected.peak)} (at the {expected.peak_moment}), measured " in err
     assert "USDT" not in err and "unknown size" not in err  # the profiler's notes about itself are kept out
+
+
+def test_the_trainer_estimates_a_muon_run(corpus, tmp_path):
+    assert train_pretrain.main(train_flags(corpus, tmp_path, max_steps=3, optimizer="muon")) == 0
+    run = tmp_path / "run"
+    [record] = [r for r in strict_records(run) if "memory_measured_gb" in r]
+    assert record["memory_estimated_gb"] == pytest.approx(record["memory_measured_gb"], rel=TOLERANCE["float32"])
+    resolved = json.loads((run / "train_config.json").read_text())["resolved"]
+    cfg = ModelConfig.from_dict(resolved["model"])
+    assert resolved["memory_estimate"]["peak_bytes"] == estimate_memory(cfg, 4, 64, "float32", optimizer="muon").peak
 
 
 def test_the_trainer_estimates_a_mixture_of_experts(corpus, tmp_path):
