@@ -281,7 +281,8 @@ def test_memory_and_speed_flags_train_the_same_model(corpus, tmp_path, flag):
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])  # fused (device-side skip) and plain (host check)
+# fused (device-side skip), plain (host check) and two optimizers in one (host check)
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "muon"])
 def test_non_finite_steps_are_skipped_then_training_stops(corpus, tmp_path, monkeypatch, optimizer):
     config = parse_train_config(
         "pretrain", flags(corpus, tmp_path, optimizer=optimizer, max_bad_steps=3, log_interval=1, max_steps=20), "")
@@ -325,8 +326,9 @@ def test_a_skipped_step_leaves_the_logged_loss_finite(corpus, tmp_path, monkeypa
     assert record["skipped_steps"] == 1 and math.isfinite(record["loss"]) and 3 < record["loss"] < 9
 
 
-@pytest.mark.parametrize("extra", [[], ["--dtype", "float16"], ["--optimizer", "sgd"]],
-                         ids=["fused-adamw", "fp16-scaler", "sgd"])
+@pytest.mark.parametrize("extra", [[], ["--dtype", "float16"], ["--optimizer", "sgd"], ["--optimizer", "muon"],
+                                   ["--optimizer", "muon", "--dtype", "float16"]],
+                         ids=["fused-adamw", "fp16-scaler", "sgd", "muon", "muon-fp16"])
 def test_a_step_without_targets_is_skipped(corpus, tmp_path, monkeypatch, extra):
     """No valid target in the whole step: nothing to learn, so no weight decay or momentum either."""
     out = train_through_an_empty_step(flags(corpus, tmp_path, max_steps=1, log_interval=1) + extra, monkeypatch)

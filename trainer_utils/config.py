@@ -44,6 +44,12 @@ class ModelOptions:
                                          "effect with --init_from too", at_least=0, below=1)
     init_from: str | None = option(None, "start from the weights of this run / checkpoint / model dir",
                                  metavar="DIR")
+    # architecture switches and an init choice of a new model (README "The model"), refused with --init_from
+    rope_theta: float | None = option(None, "RoPE base frequency (default: the preset's, 10000)", above=0)
+    qk_norm: bool | None = option(None, "RMSNorm of each head's queries and keys before RoPE (Qwen3, OLMo 2): "
+                                        "bounds attention logits for higher learning rates; exports as Qwen3")
+    zero_init_residual: bool | None = option(None, "start the blocks' output projections (o_proj, down_proj) at "
+                                                   "zero, so each block starts as the identity (modded-nanogpt)")
     # mixture of experts (README "Mixture of experts"): the shape of a new model's MoE layers
     num_experts: int | None = option(None, "routed experts per block, 0 = a dense MLP (default: the preset's)",
                                      at_least=0)
@@ -66,7 +72,11 @@ class ModelOptions:
     # config fields set as they are given (preset, hidden_size and num_hidden_layers reshape the preset instead)
     MOE_FLAGS: ClassVar[tuple[str, ...]] = ("num_experts", "num_experts_per_tok", "num_shared_experts",
                                             "moe_intermediate_size", "norm_topk_prob")
-    SHAPE_FLAGS: ClassVar[tuple[str, ...]] = ("preset", "hidden_size", "num_hidden_layers", *MOE_FLAGS)
+    ARCHITECTURE_FLAGS: ClassVar[tuple[str, ...]] = ("rope_theta", "qk_norm")
+    # ... and how a new model's weights start: meaningless for loaded weights, so refused with --init_from too
+    INIT_FLAGS: ClassVar[tuple[str, ...]] = ("zero_init_residual",)
+    SHAPE_FLAGS: ClassVar[tuple[str, ...]] = ("preset", "hidden_size", "num_hidden_layers", *MOE_FLAGS,
+                                              *ARCHITECTURE_FLAGS, *INIT_FLAGS)
     # not the network's shape: given with --init_from they apply to the loaded model; with --resume they must
     # agree with the run
     TRAINING_FLAGS: ClassVar[tuple[str, ...]] = ("dropout", "router_aux_loss_coef", "router_z_loss_coef",
@@ -88,13 +98,17 @@ class OptimConfig:
                                       at_least=0)
     warmup_ratio: float = option(0.01, "warmup share of all steps when --warmup_steps is not given", at_least=0,
                                  below=1)
-    weight_decay: float = option(0.1, "AdamW/SGD weight decay on matrices (never on norms, biases, embeddings)",
+    weight_decay: float = option(0.1, "weight decay on matrices (never on norms, biases, embeddings)",
                                  at_least=0)
-    optimizer: Literal["adamw", "sgd"] = option("adamw", "optimizer")
+    optimizer: Literal["adamw", "muon", "sgd"] = option(
+        "adamw", "optimizer; muon: Muon on the blocks' weight matrices, AdamW on embeddings, norms, biases and head")
     beta1: float = option(0.9, "AdamW beta1", at_least=0, below=1)
     beta2: float = option(0.95, "AdamW beta2", at_least=0, below=1)
     adam_eps: float = option(1e-8, "AdamW epsilon", above=0)
     momentum: float = option(0.9, "SGD momentum (Nesterov)", at_least=0, below=1)
+    muon_lr: float | None = option(None, "Muon's peak learning rate (default: --learning_rate; its updates are "
+                                         "scaled to AdamW's RMS, so the two are on one scale)", above=0)
+    muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", at_least=0, below=1)
     grad_clip: float = option(1.0, "clip the gradient norm to this; 0 disables clipping", at_least=0)
     max_bad_steps: int = option(10, "stop after this many consecutive steps skipped for non-finite gradients",
                                 at_least=1)
@@ -235,6 +249,9 @@ class TrainConfig:
             if given:
                 raise ConfigError(f"{', '.join(given)} cannot take effect with --init_from: the model's shape "
                                   f"comes from {self.model.init_from}; drop {'it' if len(given) == 1 else 'them'}")
+        if self.optim.optimizer != "muon" and self.optim.muon_lr is not None:
+            raise ConfigError(f"--muon_lr sets Muon's learning rate; the optimizer is {self.optim.optimizer} (add "
+                              "--optimizer muon, or drop --muon_lr)")
         if self.model.compile and (problem := compile_toolchain_problem()):
             raise ConfigError(problem)
         if self.precision.deepspeed is not None:
@@ -243,6 +260,10 @@ class TrainConfig:
                 raise ConfigError("use --dtype bfloat16 or float32 with --deepspeed (DeepSpeed does its own fp16 "
                                   "loss scaling, which the loop does not drive)")
             self.precision.deepspeed_config()  # readable and valid now, not after tokenizing
+            if self.optim.optimizer == "muon":
+                raise ConfigError("--optimizer muon does not run under --deepspeed: ZeRO shards the optimizer state "
+                                  "as flat slices, and Muon orthogonalises whole matrices; train it with DDP "
+                                  "(torchrun) or use --optimizer adamw")
         if self.run.use_wandb:
             require_package("wandb", "--use_wandb")
         if self.run.use_tensorboard:

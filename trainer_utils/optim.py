@@ -1,10 +1,20 @@
-"""Optimizer construction (decay / no-decay groups) and the warmup + cosine learning-rate schedule."""
+"""Optimizer construction (decay / no-decay groups; Muon for hidden matrices) and the warmup + cosine schedule."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
 import torch
+
+from common.errors import ConfigError
+
+OPTIMIZERS = ("adamw", "muon", "sgd")
+
+
+def is_embedding(name: str) -> bool:
+    """Token / position tables: looked up, not multiplied, so neither decayed nor orthogonalised. A tied lm_head
+    is listed once, under the embedding's name."""
+    return name.endswith(("embed_tokens.weight", "embed_positions.weight"))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -14,29 +24,96 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_embedding = name.endswith(("embed_tokens.weight", "embed_positions.weight"))
-        (decay if p.ndim >= 2 and not is_embedding else no_decay).append(p)
+        (decay if p.ndim >= 2 and not is_embedding(name) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    """What Muon orthogonalises: the 2-D weights of the blocks' linear maps. Not the embeddings and the output
+    head (an input lookup and a classifier, whose rows are per-token), not a MoE router (E rows) nor the 3-D
+    expert stacks (torch's Muon takes matrices only): those stay on AdamW, as Muon's authors prescribe."""
+    return p.ndim == 2 and not is_embedding(name) and not name.endswith(("lm_head.weight", "mlp.gate.weight"))
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon on the hidden matrices and AdamW on everything else, as one optimizer.
+
+    One object keeps the training loop unchanged: one param_groups list (clipping, GradScaler.unscale_ and the
+    schedule see every parameter), one state dict (exact resume). The two inner optimizers work on the very
+    same group dicts and share one state mapping; each group is tagged with the optimizer that owns it.
+
+    Muon's update is an orthogonalised momentum: every direction of a matrix moves by the same amount, whatever
+    the gradient's scale. adjust_lr_fn="match_rms_adamw" (Moonlight) scales it to the RMS an AdamW update has,
+    so Muon's learning rate and weight decay mean what AdamW's do.
+    """
+
+    def __init__(self, muon_groups: list[dict[str, Any]], adamw_groups: list[dict[str, Any]], *,
+                 momentum: float, betas: tuple[float, float], eps: float, fused: bool) -> None:
+        self.muon = torch.optim.Muon(muon_groups, momentum=momentum, nesterov=True,
+                                     adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(adamw_groups, betas=betas, eps=eps, fused=fused)
+        for owner, inner in (("muon", self.muon), ("adamw", self.adamw)):
+            for group in inner.param_groups:
+                group["owner"] = owner
+        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], defaults={})
+        self._link()
+
+    def _link(self) -> None:
+        """Point both inner optimizers at this optimizer's groups and state (again after load_state_dict, which
+        replaces both)."""
+        for owner, inner in (("muon", self.muon), ("adamw", self.adamw)):
+            inner.param_groups = [g for g in self.param_groups if g["owner"] == owner]
+            inner.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # noqa: D102 - both inner optimizers, each on its groups
+        if closure is not None:
+            raise ValueError("MuonWithAdamW.step takes no closure")
+        self.muon.step()
+        self.adamw.step()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
-                    momentum: float, device: torch.device, eps: float = 1e-8) -> torch.optim.Optimizer:
-    """AdamW (or SGD) over the decay / no-decay groups of `model`'s trainable parameters."""
-    groups = param_groups(model, weight_decay)
+                    momentum: float, device: torch.device, eps: float = 1e-8, muon_lr: float | None = None,
+                    muon_momentum: float = 0.95) -> torch.optim.Optimizer:
+    """AdamW, SGD or Muon+AdamW over `model`'s trainable parameters, weight decay on matrices only.
+
+    Every group may carry an "lr_scale": its learning rate relative to the schedule's (WarmupCosine applies it),
+    which is how Muon's matrices get their own learning rate under one schedule.
+    """
+    # The fused AdamW kernel updates all parameters in one pass (3.5x faster than the default on CPU, one launch
+    # on GPU) and can skip a step on a device-side flag, so non-finite steps need no host sync.
+    fused = device.type in ("cuda", "cpu")
     if name == "adamw":
-        # The fused kernel updates all parameters in one pass (3.5x faster than the default on CPU, one launch
-        # on GPU) and can skip a step on a device-side flag, so non-finite steps need no host sync.
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device.type in ("cuda", "cpu"))
+        return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
     if name == "sgd":
         # Not fused: torch's fused SGD leaves the momentum buffer uninitialised when its first step is skipped.
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
-    raise ValueError(f"unknown optimizer {name!r}; expected adamw or sgd")
+        return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum, nesterov=momentum > 0)
+    if name == "muon":
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        hidden = [p for n, p in named if is_hidden_matrix(n, p)]
+        if not hidden:
+            raise ConfigError("--optimizer muon found no hidden weight matrix to train (use adamw)")
+        rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
+        decay = [p for n, p in rest if p.ndim >= 2 and not is_embedding(n)]  # MoE expert stacks, routers, head
+        no_decay = [p for n, p in rest if not (p.ndim >= 2 and not is_embedding(n))]
+        scale = (muon_lr if muon_lr is not None else lr) / lr
+        muon_groups = [{"params": hidden, "lr": lr * scale, "lr_scale": scale, "weight_decay": weight_decay}]
+        adamw_groups = [{"params": ps, "lr": lr, "weight_decay": wd}
+                        for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+        return MuonWithAdamW(muon_groups, adamw_groups, momentum=muon_momentum, betas=betas, eps=eps, fused=fused)
+    raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
 class WarmupCosine:
     """Linear warmup from 0 to max_lr over `warmup` steps, then cosine decay to min_lr at `total` steps.
 
-    The optimizer step count is the only state, so resuming restores the schedule exactly.
+    A group with an "lr_scale" gets that multiple of the schedule (Muon's matrices). The optimizer step count
+    is the only state, so resuming restores the schedule exactly.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float, min_lr: float, warmup: int,
@@ -56,11 +133,12 @@ class WarmupCosine:
     def _apply(self) -> None:
         lr = self.lr_at(self.step_count)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        """The schedule's current learning rate (groups with an lr_scale use a multiple of it)."""
+        return self.lr_at(self.step_count)
 
     def step(self) -> None:
         self.step_count += 1

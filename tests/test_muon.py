@@ -1,0 +1,197 @@
+"""--optimizer muon: which parameters Muon takes, one optimizer made of two, schedule, resume, DDP, refusals."""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train import flags, stop_at, weights
+
+import train_pretrain
+from common.errors import ConfigError
+from model import PocketLM
+from trainer_utils.config import parse_train_config
+from trainer_utils.optim import MuonWithAdamW, WarmupCosine, build_optimizer
+
+from conftest import ROOT, read_metrics, tiny_config
+
+CPU = torch.device("cpu")
+
+
+def muon(model: torch.nn.Module, lr: float = 1e-3, muon_lr: float | None = 4e-3) -> MuonWithAdamW:
+    return build_optimizer(model, "muon", lr, 0.1, (0.9, 0.95), 0.9, CPU, muon_lr=muon_lr)
+
+
+def owners(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """parameter name -> "muon" / "adamw" (the group that holds it)."""
+    group_of = {id(p): g["owner"] for g in optimizer.param_groups for p in g["params"]}
+    return {name: group_of[id(p)] for name, p in model.named_parameters()}
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+        model(x).float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    cfg = tiny_config(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, num_shared_experts=1)
+    model = PocketLM(cfg)
+    got = owners(model, muon(model))
+    on_muon = sorted(n for n, o in got.items() if o == "muon")
+    assert all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                           "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+                           "shared_experts.down_proj.weight")) for n in on_muon), on_muon
+    assert len(on_muon) == cfg.num_hidden_layers * 7
+    # embeddings, untied head, norms, routers and the 3-D expert stacks stay on AdamW
+    for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight", "layers.0.mlp.gate.weight",
+                 "layers.0.mlp.experts.gate_proj", "layers.0.input_layernorm.weight"):
+        assert got[name] == "adamw", name
+    dense = PocketLM(tiny_config())
+    assert sum(o == "muon" for o in owners(dense, muon(dense)).values()) == 2 * 7  # q k v o gate up down
+
+
+def test_one_optimizer_steps_exactly_like_torch_muon_and_adamw_side_by_side():
+    """The combined optimizer is a bookkeeping layer: its steps equal torch.optim.Muon + AdamW run apart."""
+    model = PocketLM(tiny_config())
+    reference = copy.deepcopy(model)
+    combined = muon(model, lr=1e-3, muon_lr=4e-3)
+    hidden = [p for g in combined.param_groups if g["owner"] == "muon" for p in g["params"]]
+    hidden_ids = {id(p) for p in hidden}
+    by_name = dict(model.named_parameters())
+    ref_params = dict(reference.named_parameters())
+    ref_hidden = [ref_params[n] for n, p in by_name.items() if id(p) in hidden_ids]
+    ref_rest = [ref_params[n] for n, p in by_name.items() if id(p) not in hidden_ids]
+    apart = [torch.optim.Muon(ref_hidden, lr=4e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                              adjust_lr_fn="match_rms_adamw"),
+             torch.optim.AdamW(ref_rest, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)]
+
+    class Both:
+        def step(self):
+            for o in apart:
+                o.step()
+
+        def zero_grad(self, set_to_none=True):
+            for o in apart:
+                o.zero_grad(set_to_none=set_to_none)
+
+    train(model, combined, 3)
+    train(reference, Both(), 3)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_the_schedule_scales_muons_learning_rate_and_logs_the_base_one():
+    model = PocketLM(tiny_config())
+    optimizer = muon(model, lr=1e-3, muon_lr=5e-3)
+    schedule = WarmupCosine(optimizer, 1e-3, 1e-4, warmup=2, total=10)
+    for step in range(10):
+        lr = schedule.lr_at(step)
+        assert schedule.lr == pytest.approx(lr)
+        for group in optimizer.param_groups:
+            assert group["lr"] == pytest.approx(lr * (5.0 if group["owner"] == "muon" else 1.0))
+        schedule.step()
+    default = muon(PocketLM(tiny_config()), lr=2e-3, muon_lr=None)  # default: the same learning rate
+    assert {g["lr"] for g in default.param_groups} == {2e-3}
+
+
+def test_state_dict_round_trip_continues_identically():
+    model = PocketLM(tiny_config())
+    optimizer = muon(model)
+    train(model, optimizer, 3)
+    state = copy.deepcopy(optimizer.state_dict())
+    twin = copy.deepcopy(model)
+    twin_optimizer = muon(twin)
+    twin_optimizer.load_state_dict(state)
+    assert twin_optimizer.muon.state is twin_optimizer.state and twin_optimizer.adamw.state is twin_optimizer.state
+    train(model, optimizer, 2, seed=1)
+    train(twin, twin_optimizer, 2, seed=1)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_resume_with_muon_is_bit_identical(corpus, tmp_path, monkeypatch):
+    muon_flags = dict(optimizer="muon", muon_lr=3e-3)
+    assert train_pretrain.main(flags(corpus, tmp_path, "straight", **muon_flags)) == 0
+    stop_at(monkeypatch, 4)
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", **muon_flags)) == 0
+    monkeypatch.undo()
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", resume=True, **muon_flags)) == 0
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == [2, 4, 6, 8]
+
+
+def test_muon_with_accumulation_matches_a_bigger_batch(corpus, tmp_path):
+    common = dict(max_steps=2, log_interval=1, eval_interval=100, save_interval=100, optimizer="muon")
+    assert train_pretrain.main(flags(corpus, tmp_path, "big", batch_size=8, **common)) == 0
+    assert train_pretrain.main(flags(corpus, tmp_path, "acc", batch_size=4, accumulation_steps=2, **common)) == 0
+    # what a lost micro-batch would give: the first half of each step's batch alone
+    assert train_pretrain.main(flags(corpus, tmp_path, "half", batch_size=4, **common)) == 0
+    big, acc, half = (weights(tmp_path / run) for run in ("big", "acc", "half"))
+    for name in big:
+        # Newton-Schulz runs in bf16, where gradients equal to ~1e-7 round apart by an ulp: accumulation agrees
+        # with the big batch to a small fraction of what a lost micro-batch changes
+        assert (acc[name] - big[name]).norm() <= 0.1 * (half[name] - big[name]).norm() + 1e-7, name
+
+def test_muon_learns_a_sample_by_heart(corpus, tmp_path):
+    assert train_pretrain.main(flags(corpus, tmp_path, optimizer="muon", max_steps=40, learning_rate=1e-2,
+                                     log_interval=5, eval_interval=1000, save_interval=1000)) == 0
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert losses[-1] < losses[0] - 2, losses
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--muon_lr", "0.01"], "--optimizer muon"),
+    (["--optimizer", "muon", "--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"], "DDP"),
+])
+def test_muon_settings_that_cannot_work_are_refused(argv, message):
+    if "--deepspeed" in argv:
+        pytest.importorskip("deepspeed")
+    with pytest.raises(ConfigError, match=message):
+        parse_train_config("pretrain", argv, "").check()
+
+
+RANK_DUMP = """
+import sys, torch
+import torch.distributed as dist
+sys.path.insert(0, {root!r})
+import train_pretrain
+from trainer_utils import loop
+
+real_save = loop.Trainer.save
+def save_and_dump(self):
+    real_save(self)
+    if self.step == self.total_steps:  # every rank writes the weights it ends with
+        torch.save(self.model.state_dict(), {out!r} + f"/rank{{dist.get_rank()}}.pt")
+loop.Trainer.save = save_and_dump
+sys.exit(train_pretrain.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_ddp_ranks_end_with_identical_weights_under_muon(corpus, tmp_path):
+    script = tmp_path / "dump_ranks.py"
+    script.write_text(RANK_DUMP.format(root=str(ROOT), out=str(tmp_path)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    common = dict(optimizer="muon", max_steps=4, save_interval=4, eval_interval=4, log_interval=1)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                          str(script), *flags(corpus, tmp_path, "ddp", batch_size=4, **common)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(r0[k], r1[k]) for k in r0), "ranks diverged"
+    # and the two ranks together train what one process does on their combined batch
+    assert train_pretrain.main(flags(corpus, tmp_path, "single", batch_size=8, **common)) == 0
+    one = weights(tmp_path / "single")
+    for name in one:  # (bf16 Newton-Schulz: gradients reduced in another order may round an ulp apart)
+        torch.testing.assert_close(r0[name], one[name], atol=1e-4, rtol=0)
+    a = [m["loss"] for m in read_metrics(tmp_path / "ddp")]
+    b = [m["loss"] for m in read_metrics(tmp_path / "single")]
+    assert a == pytest.approx(b, abs=1e-4)
