@@ -2,7 +2,8 @@
 
     python scripts/plot_metrics.py out/<run> [--out loss.png] [--smooth 0.9]
 
-Top panel: train loss (faint), its smoothed curve and validation loss points; bottom panel: learning rate.
+Top panel: train loss (faint), its smoothed curve and validation loss points (the legend gives the last
+validation bits per byte, when logged); bottom panel: learning rate.
 Lines that are not JSON objects with a numeric "step" are skipped and counted. When a resumed run logs a
 step again, the later line wins, so the curve shows the run as it continued.
 """
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 METRICS_NAME = "metrics.jsonl"
-SERIES = ("loss", "val_loss", "lr")
+SERIES = ("loss", "val_loss", "val_bpb", "lr")
 
 
 def is_number(value: object) -> bool:
@@ -23,9 +24,9 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def read_metrics(path: Path) -> tuple[dict[str, dict[float, float]], int]:
-    """Per series a {step: value} map (last line per step wins), and the number of malformed lines."""
-    series: dict[str, dict[float, float]] = {name: {} for name in SERIES}
+def read_metrics(path: Path, names: tuple[str, ...] = SERIES) -> tuple[dict[str, dict[float, float]], int]:
+    """Per series of `names` a {step: value} map (last line per step wins), and the number of malformed lines."""
+    series: dict[str, dict[float, float]] = {name: {} for name in names}
     bad = 0
     with open(path, "rb") as f:
         for raw in f:
@@ -39,7 +40,7 @@ def read_metrics(path: Path) -> tuple[dict[str, dict[float, float]], int]:
             if not isinstance(record, dict) or not is_number(record.get("step")):
                 bad += 1
                 continue
-            for name in SERIES:  # unknown keys (grad_norm, event, ...) are ignored
+            for name in names:  # other keys (grad_norm, event, ...) are ignored
                 if is_number(record.get(name)):
                     series[name][record["step"]] = float(record[name])
     return {name: dict(sorted(points.items())) for name, points in series.items()}, bad
@@ -73,7 +74,9 @@ def plot(series: dict[str, dict[float, float]], out: Path, title: str, weight: f
             ax_loss.plot(steps, smooth(values, weight), color="tab:blue", linewidth=2,
                          label=f"train (EMA {weight:.2f})")
     if val:
-        ax_loss.plot(list(val), list(val.values()), "o-", color="tab:orange", markersize=4, label="val loss")
+        bpb = series["val_bpb"]
+        label = f"val loss (last: {list(bpb.values())[-1]:.3f} bits/byte)" if bpb else "val loss"
+        ax_loss.plot(list(val), list(val.values()), "o-", color="tab:orange", markersize=4, label=label)
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.set_title(title)
     ax_loss.grid(alpha=0.3)

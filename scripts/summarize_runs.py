@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_KEYS = ("loss", "val_loss", "val_ppl", "reward_accuracy", "val_reward_accuracy", "val_reward_margin",
+DEFAULT_KEYS = ("loss", "val_loss", "val_ppl", "val_bpb", "reward_accuracy", "val_reward_accuracy", "val_reward_margin",
                 "ce", "kl", "router_balance", "router_max_load", "tokens_per_s")
 
 

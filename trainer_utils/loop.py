@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from common.config import RESOLVED_KEY, to_dict
-from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
+from common.errors import CheckpointError, ConfigError, PocketLMError, TokenizerError, TrainingError
 from common.files import BEST_NAME, TRAIN_CONFIG_NAME, file_sha256, shipped_path, write_atomic
 from dataset.config import DataConfig, training_data
 from dataset.jsonl import read_records
@@ -37,7 +37,7 @@ from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
 from model.config import architecture, model_name, reshape_preset
 from model.generate import generate
-from model.inference import DTYPES, read_train_info
+from model.inference import DTYPES, read_train_info, token_byte_lengths
 from model.loading import (
     ADAPTER_WEIGHTS_NAME,
     LORA_CONFIG_NAME,
@@ -74,8 +74,8 @@ from .checkpoint import (
 from .config import ADAPTED, DEFAULT_PRESET, ModelOptions, TrainConfig, parse_train_config
 from .data import StepFeeder, eval_batches
 from .distributed import detect_env, device_for, make_backend
-from .metrics import MetricsLogger, flops_per_token, peak_flops
-from .objectives import DPO, Batch, Distillation, LanguageModeling, Objective, sequence_log_probs
+from .metrics import MetricsLogger, TrainClock, flops_per_token, peak_flops
+from .objectives import DPO, Batch, Distillation, LanguageModeling, Objective, sequence_log_probs, target_bytes
 from .optim import WarmupCosine, build_optimizer
 from .routing import RouterBalance
 from .runtime import (
@@ -96,9 +96,11 @@ OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and mo
 
 def new_model_config(options: ModelOptions, vocab_size: int | None = None) -> ModelConfig:
     """The config of a new model: the preset, reshaped by --hidden_size / --num_hidden_layers / --max_seq_len and
-    the mixture-of-experts flags, with the tokenizer's vocabulary (None: the preset's)."""
+    the mixture-of-experts, architecture (--rope_theta, --qk_norm) and init (--zero_init_residual) flags, with the
+    tokenizer's vocabulary (None: the preset's)."""
     extra: dict[str, Any] = {} if vocab_size is None else {"vocab_size": vocab_size}  # the tokenizer actually used
-    for name in (*ModelOptions.MOE_FLAGS, *ModelOptions.TRAINING_FLAGS):
+    for name in (*ModelOptions.MOE_FLAGS, *ModelOptions.ARCHITECTURE_FLAGS, *ModelOptions.INIT_FLAGS,
+                 *ModelOptions.TRAINING_FLAGS):
         if getattr(options, name) is not None:
             extra[name] = getattr(options, name)
     if options.num_experts_per_tok == 1 and options.norm_topk_prob is None:
@@ -162,6 +164,7 @@ class Session:
         self.tokenizer = Tokenizer(config.data.tokenizer or self._default_tokenizer())
         self.model_config = self._model_config(init_config)
         self.tokenizer.check_fits(self.model_config.vocab_size)
+        self.token_bytes = self._token_bytes()  # None: no val_bpb
         self.max_seq_len = m.max_seq_len or self.model_config.max_seq_len
         if self.max_seq_len > self.model_config.max_position_embeddings:
             raise ConfigError(f"--max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
@@ -232,6 +235,18 @@ class Session:
         self.backend.set_precision(self.precision)
         self.resume_from = latest_checkpoint(self.run_dir)
 
+    def _token_bytes(self) -> torch.Tensor | None:
+        """UTF-8 bytes per token id, for the validation bits per byte of per-token losses; None for DPO (a loss
+        per pair) and for a tokenizer that is not byte-level, whose tokens have no fixed byte length."""
+        if self.stage == "dpo":
+            return None
+        try:
+            return token_byte_lengths(self.tokenizer.path, self.model_config.vocab_size)
+        except CheckpointError as e:
+            if self.env.rank == 0:
+                print(f"note: no val_bpb in the log: {e}", file=sys.stderr)
+            return None
+
     def _default_tokenizer(self) -> Path:
         if self.resume_from is not None:
             return self.resume_from
@@ -288,6 +303,8 @@ class Trainer:
     """Runs optimizer steps until max_steps, a stop signal, early stopping, or non-finite trouble (which ends
     it with `fallback` set when the run should continue in a wider precision)."""
 
+    resumed_train_s = 0.0  # training seconds of the run before the checkpoint it resumes (elapsed_s goes on)
+
     def __init__(self, session: Session) -> None:
         s, c = session, session.config
         self.s, self.config, self.backend = s, c, s.backend
@@ -297,7 +314,8 @@ class Trainer:
         self.model = s.build_model().to(self.device)
         self.model.set_gradient_checkpointing(c.model.grad_checkpointing)
         self.optimizer = build_optimizer(self.model, o.optimizer, o.learning_rate, o.weight_decay,
-                                         (o.beta1, o.beta2), o.momentum, self.device, o.adam_eps)
+                                         (o.beta1, o.beta2), o.momentum, self.device, o.adam_eps, o.muon_lr,
+                                         o.muon_momentum)
         world = self.backend.world_size
         self.samples_per_step = o.batch_size * o.accumulation_steps * world
         steps_per_epoch = max(1, len(s.train_data) // self.samples_per_step)
@@ -371,6 +389,7 @@ class Trainer:
         self.step, self.cursor, self.tokens_seen = state["step"], state["cursor"], state["tokens_seen"]
         self.counters["tokens_seen"] += self.tokens_seen
         self.skipped = state.get("skipped", 0)  # the count in metrics.jsonl goes on across resumes
+        self.resumed_train_s = state.get("train_time_s", 0.0)  # and so does elapsed_s
         self.counters["skipped"] += self.skipped
         self.best.update(state.get("early_stop", {}))
         set_rng_state(state["rng"])
@@ -395,7 +414,7 @@ class Trainer:
         if backend.is_main:
             state = {**backend_state, "scheduler": self.scheduler.state_dict(), "step": self.step,
                      "cursor": self.cursor, "tokens_seen": self.tokens_seen, "skipped": self.skipped,
-                     "rng": rng_state(),
+                     "train_time_s": self.clock.elapsed(), "rng": rng_state(),
                      "world_size": backend.world_size, "tokenizer_sha256": self.s.tokenizer.sha256,
                      "early_stop": dict(self.best), "config": to_dict(self.config, self.s.stage)}
             # "stage" is how the checkpoint is prompted (raw text or chat), "method" how it was trained
@@ -420,10 +439,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, dict[str, float]]:
         """Validation loss (per token, or per pair for DPO) and the objective's evaluation metrics of each
-        --data_path file that has a validation split, over the same --eval_batches batches every time."""
+        --data_path file that has a validation split, over the same --eval_batches batches every time; for a
+        per-token loss with a byte-level tokenizer also "bpb", the loss in bits per UTF-8 byte of the targets."""
         val_sets, names = self.s.val_sets, self.objective.eval_metrics
+        token_bytes = self.s.token_bytes if self.objective.unit == "tokens" else None
+        token_bytes = token_bytes.to(self.device) if token_bytes is not None else None
         self.model.eval()
-        total = torch.zeros(len(val_sets), 2 + len(names), device=self.device, dtype=torch.float64)
+        # per file: units, summed loss, the summed metrics, the targets' bytes (summed over ranks together)
+        total = torch.zeros(len(val_sets), 3 + len(names), device=self.device, dtype=torch.float64)
         for k, v in enumerate(val_sets):
             for batch in eval_batches(v.data, self.config.optim.batch_size, self.config.eval.eval_batches,
                                       self.backend.rank, self.backend.world_size):
@@ -433,10 +456,17 @@ class Trainer:
                 total[k, 1] += out.loss
                 for j, name in enumerate(names):
                     total[k, 2 + j] += out.metrics[name]
+                if token_bytes is not None:
+                    total[k, -1] += target_bytes(batch[1], token_bytes)
         total = self.backend.all_reduce_sum(total).tolist() if val_sets else []
         self.model.train()
-        return {v.name: dict(zip(("loss", *names), (x / row[0] for x in row[1:])))
-                for v, row in zip(val_sets, total) if row[0] > 0}
+        results = {}
+        for v, (count, loss, *metrics, n_bytes) in zip(val_sets, total):
+            if count > 0:
+                results[v.name] = {"loss": loss / count, **{k: x / count for k, x in zip(names, metrics)}}
+                if n_bytes > 0:
+                    results[v.name]["bpb"] = loss / math.log(2) / n_bytes
+        return results
 
     # ------------------------------------------------------------------------- train
     def train_step(self, micro: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
@@ -482,6 +512,8 @@ class Trainer:
                             backend.rank, backend.world_size, self.cursor, self.device)
         exit_code = 0
         self.model.train()
+        # elapsed_s in the log: training time, without the pauses to evaluate and checkpoint
+        self.clock = TrainClock(self.device, self.resumed_train_s)
         # memory is measured on a step that has the optimizer state: the second, or the first after a resume
         measure_at = self.step if self.step > 0 else 1
         try:
@@ -500,12 +532,14 @@ class Trainer:
                             break
                     early_stop = None
                     if self._due(self.config.eval.eval_interval):
-                        self._eval_and_log()
-                        self._layer_stats()
-                        self._samples_and_probes()
-                        early_stop = self._early_stop_reason()
+                        with self.clock.pause():
+                            self._eval_and_log()
+                            self._layer_stats()
+                            self._samples_and_probes()
+                            early_stop = self._early_stop_reason()
                     if (self._due(run.save_interval) or early_stop) and self.last_saved != self.step:
-                        self.save()
+                        with self.clock.pause():
+                            self.save()
                     if early_stop:
                         self._report_early_stop(early_stop)
                         break
@@ -617,14 +651,16 @@ class Trainer:
     def _memory_estimate(self) -> MemoryEstimate | None:
         """python -m model --estimate for this run (printed at the start), or None where it does not apply."""
         c = self.config
-        if self.backend.name == "deepspeed" or c.optim.optimizer != "adamw" or c.model.compile or \
+        if self.backend.name == "deepspeed" or c.optim.optimizer == "sgd" or c.model.compile or \
                 self.model.config.dropout > 0 or self.s.lora is not None or self.s.stage == "distill":
-            # the formula is one eager model (no teacher) with AdamW on every weight, unsharded, without dropout
+            # the formula is one eager model (no teacher) with AdamW (or Muon + AdamW) on every weight, unsharded,
+            # without dropout
             return None
         o, cfg = self.config.optim, self.model.config
         rows = o.batch_size * (2 if self.s.stage == "dpo" else 1)  # a DPO batch holds both answers of each pair
         return estimate_memory(cfg, rows, self.s.max_seq_len, self.precision.dtype,
-                               self.config.model.grad_checkpointing, o.accumulation_steps, name=model_name(cfg))
+                               self.config.model.grad_checkpointing, o.accumulation_steps, name=model_name(cfg),
+                               optimizer=o.optimizer)
 
     def _measure_memory(self, step: Callable[[], None]) -> None:
         """Run one optimizer step with its memory peak measured (rank 0; CPU: profiled, a few % slower once) and
@@ -778,7 +814,7 @@ class Trainer:
                   "lr": self.scheduler.lr, "grad_norm": round(float(self.counters["grad_norm"]), 4),
                   "tokens_per_s": round(tokens / elapsed), "step_time_s": round(elapsed / max(w["steps"], 1), 4),
                   "data_wait_frac": round(w["wait"] / elapsed, 4), "tokens_seen": self.tokens_seen,
-                  "skipped_steps": self.skipped}
+                  "skipped_steps": self.skipped, "elapsed_s": round(self.clock.elapsed(), 3)}
         if self.router is not None:
             record.update(self.router.record())
         if self.peak is not None:
@@ -793,15 +829,16 @@ class Trainer:
                  t0=time.perf_counter(), steps=0, metrics={})
 
     def _eval_and_log(self) -> None:
-        """val_loss: each file's validation loss weighted as the files are mixed in training (one file: its
-        loss); with several files each one's loss too, as val_loss/<file stem>."""
+        """val_loss (and val_bpb, the other metrics): each file's validation loss weighted as the files are mixed
+        in training (one file: its loss); with several files each one's loss and bpb too, as val_loss/<file stem>
+        and val_bpb/<file stem>."""
         results = self.evaluate()
         if not results:
             self.val_loss = None
             return
         weights = {v.name: v.weight for v in self.s.val_sets if v.name in results}
         mixed = {key: sum(weights[k] * r[key] for k, r in results.items()) / sum(weights.values())
-                 for key in next(iter(results.values()))}
+                 for key in next(iter(results.values())) if all(key in r for r in results.values())}
         self.val_loss = mixed["loss"]
         record = {"step": self.step, "val_loss": round(self.val_loss, 5),
                   **{f"val_{k}": round(v, 5) for k, v in mixed.items() if k != "loss"}}
@@ -809,11 +846,15 @@ class Trainer:
             record["val_ppl"] = round(math.exp(min(self.val_loss, 50)), 3)  # capped: a diverged run stays finite
         several = len(self.s.data.sources) > 1
         if several:
-            record.update({f"val_loss/{k}": round(r["loss"], 5) for k, r in results.items()})
+            for key in ("loss", "bpb"):
+                record.update({f"val_{key}/{k}": round(r[key], 5) for k, r in results.items() if key in r})
+        record["elapsed_s"] = round(self.clock.elapsed(), 3)  # training seconds up to this evaluation
         self.logger.log(record)
         notes = [f"ppl {record['val_ppl']:.2f}"] if "val_ppl" in record else []
         notes += [f"{k} {r['loss']:.4f}" for k, r in results.items()] if several else []
-        extra = "".join(f", {k} {v:.4f}" for k, v in mixed.items() if k != "loss")
+        each_bpb = [f"{k} {r['bpb']:.4f}" for k, r in results.items() if "bpb" in r] if several else []
+        extra = "".join(f", {k} {v:.4f}" + (f" ({', '.join(each_bpb)})" if k == "bpb" and each_bpb else "")
+                        for k, v in mixed.items() if k != "loss")
         self.logger.message(f"step {self.step}: val_loss {self.val_loss:.4f}"
                             + (f" ({', '.join(notes)})" if notes else "") + extra)
 

@@ -1,13 +1,14 @@
 """Observability: metrics.jsonl, a progress bar, optional wandb / tensorboard, and MFU from a peak-FLOPs table."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -44,6 +45,35 @@ def flops_per_token(config: "ModelConfig", seq_len: int) -> float:
     experts counts the experts a token uses (active parameters), not all of them."""
     matmul_weights = config.num_parameters(non_embedding=True, active=True) + config.vocab_size * config.hidden_size
     return 6 * matmul_weights + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+class TrainClock:
+    """Seconds spent training so far: wall time minus the pauses for evaluation and checkpoints, so runs that
+    evaluate more often (or on a slower disk) still compare by the time their training took."""
+
+    def __init__(self, device: torch.device, start_s: float = 0.0) -> None:
+        self.device, self.start_s = device, start_s  # start_s: the time a resumed run had already trained
+        self.t0, self.paused_s, self.paused_at = time.perf_counter(), 0.0, None
+
+    def elapsed(self) -> float:
+        """Training seconds so far (frozen during a pause)."""
+        now = self.paused_at if self.paused_at is not None else time.perf_counter()
+        return self.start_s + now - self.t0 - self.paused_s
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Time inside the block is not training time."""
+        if self.paused_at is not None:  # inside another pause already
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the queued training work belongs before the pause
+        self.paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - self.paused_at
+            self.paused_at = None
 
 
 class MetricsLogger:

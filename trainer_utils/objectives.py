@@ -71,6 +71,13 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return logp.view(targets.shape)  # ignored targets come back as 0
 
 
+def target_bytes(targets: torch.Tensor, token_bytes: torch.Tensor) -> torch.Tensor:
+    """The UTF-8 bytes the target tokens stand for, summed (token_bytes: bytes per token id, on targets' device);
+    a masked sum, not indexing by the mask: no host sync."""
+    valid = targets != IGNORE_INDEX
+    return torch.where(valid, token_bytes[targets.clamp(min=0)], 0).sum()
+
+
 class LanguageModeling(Objective):
     """Next-token cross-entropy, summed over the target tokens."""
 
