@@ -93,9 +93,10 @@ bench: install-dev
 	$(PYTHON) bench/bench_dpo.py --out bench/results/dpo-$$(hostname).json
 	$(PYTHON) bench/bench_serve.py --out bench/results/serve-$$(hostname).json
 
-# An ablation on the demo corpus (bench/ablations/demo-lr.yaml: the demo recipe against two variants at equal
-# tokens, about 2 minutes per run on 2 CPU cores): validation loss and bits per byte, a table, a loss-vs-time plot.
-ABLATION ?= bench/ablations/demo-lr.yaml
+# An ablation on the demo corpus (bench/ablations/demo-recipe.yaml: the demo recipe before and after Muon and
+# QK-norm, at equal tokens, about 7 minutes per run on 2 CPU cores): validation loss and bits per byte, a table,
+# a loss-vs-time plot. ABLATION=bench/ablations/<file>.yaml runs another (dev/LOG.md lists them).
+ABLATION ?= bench/ablations/demo-recipe.yaml
 .PHONY: bench-learning
 bench-learning: install
 	$(PYTHON) bench/bench_learning.py --ablation $(ABLATION) --out $(DEMO_OUT)/bench-learning

@@ -1,6 +1,6 @@
 """Ablations: train several train_pretrain.py configurations for equal tokens or equal training time, compare them.
 
-    python bench/bench_learning.py --ablation bench/ablations/demo-lr.yaml --out out/bench-learning
+    python bench/bench_learning.py --ablation bench/ablations/demo-recipe.yaml --out out/bench-learning
     python bench/bench_learning.py --recipe recipes/demo-pretrain.yaml --seconds 120 --seeds 1 2 \\
         --config baseline="" --config lr-1e-3="--learning_rate 1e-3" --config warmup-50="--warmup_steps 50"
 

@@ -3,7 +3,8 @@
     python bench/bench_train.py [--presets tiny mini-30m minimind-26m] [--dtypes float32 bfloat16] [--compile both]
 
 For every (preset, dtype, compile) it measures
-  - the bare step: forward + loss + backward + clip + AdamW on one fixed batch, in a tight loop;
+  - the bare step: forward + loss + backward + clip + optimizer step (AdamW, or --optimizer muon) on one fixed
+    batch, in a tight loop;
   - the real loop: train_pretrain.py in-process on the bundled corpus (data feeding, logging, bookkeeping);
 each as the fastest of --repeats blocks of equal length. It reports both step times, the loop overhead (the
 share of the loop's step time spent outside forward/backward/optimizer: measured inside the same run on CPU,
@@ -85,7 +86,8 @@ def seconds_per_call(fn, n: int, device: torch.device) -> float:
 
 
 def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int | None,
-                      min_seconds: float, repeats: int, device: torch.device) -> tuple[float, int]:
+                      min_seconds: float, repeats: int, device: torch.device,
+                      optimizer: str = "adamw") -> tuple[float, int]:
     """Time per forward + backward + optimizer step on one fixed batch, and the steps per measured block.
 
     Each of `repeats` blocks of `steps` steps gives a mean; the fastest block is reported, the one least
@@ -95,7 +97,7 @@ def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, 
     cfg = get_preset(preset, max_seq_len=seq,
                      max_position_embeddings=max(seq, get_preset(preset).max_position_embeddings))
     model = PocketLM(cfg).to(device).train()
-    opt = build_optimizer(model, "adamw", 1e-4, 0.1, (0.9, 0.95), 0.9, device)
+    opt = build_optimizer(model, optimizer, 1e-4, 0.1, (0.9, 0.95), 0.9, device)
     precision = Precision(device, DTYPES[dtype])
     fwd = torch.compile(model) if compile_model else model
     x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
@@ -198,13 +200,14 @@ def timing_compute() -> Iterator[list[float]]:
 
 
 def loop_metrics(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int, repeats: int,
-                 out: Path, data: list[str], device: torch.device) -> dict:
+                 out: Path, data: list[str], device: torch.device, optimizer: str = "adamw") -> dict:
     """The fastest logged window of `steps` steps of a real train_pretrain.py run, after one warm-up window,
     with the share of its time spent outside compute (on CPU; None on CUDA, see timing_compute)."""
     run = f"{preset}-{dtype}-{'compile' if compile_model else 'eager'}"
     argv = [*data, "--preset", preset, "--dtype", dtype, "--batch_size", str(batch), "--max_seq_len", str(seq),
             "--max_steps", str((1 + repeats) * steps), "--log_interval", str(steps), "--eval_interval", "1000000",
-            "--save_interval", "1000000", "--no-checkpoints", "--out_dir", str(out), "--run_name", run, "--overwrite"]
+            "--save_interval", "1000000", "--no-checkpoints", "--out_dir", str(out), "--run_name", run, "--overwrite",
+            "--optimizer", optimizer]
     if compile_model:
         argv.append("--compile")
     with timing_compute() if device.type == "cpu" else contextlib.nullcontext() as compute:
@@ -229,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="measured steps (default: enough to fill --min_seconds, at least 6)")
     p.add_argument("--min_seconds", type=float, default=3.0, help="default block length when --steps is unset")
     p.add_argument("--repeats", type=int, default=3, help="measured blocks per setting; the fastest is reported")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="the optimizer of both measurements (muon: its Newton-Schulz step included)")
     p.add_argument("--data_path", default=None, help="corpus for the loop run (default: the bundled demo)")
     p.add_argument("--cache_dir", default=None, help="its token cache (default: beside the corpus)")
     p.add_argument("--out", default=None, help="write the results JSON here")
@@ -252,10 +257,12 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         reset_peak_rss()
                     bare, n = bare_step_seconds(preset, dtype, comp, batch, seq, args.steps, args.min_seconds,
-                                                args.repeats, device)
-                    loop = loop_metrics(preset, dtype, comp, batch, seq, n, args.repeats, Path(tmp), data, device)
+                                                args.repeats, device, args.optimizer)
+                    loop = loop_metrics(preset, dtype, comp, batch, seq, n, args.repeats, Path(tmp), data, device,
+                                        args.optimizer)
                     cfg = get_preset(preset)
-                    row = {"preset": preset, "dtype": dtype, "compile": comp, "batch_size": batch, "seq_len": seq,
+                    row = {"preset": preset, "dtype": dtype, "compile": comp, "optimizer": args.optimizer,
+                           "batch_size": batch, "seq_len": seq,
                            "measured_steps": n, "bare_step_s": round(bare, 4), "loop_step_s": loop["step_time_s"],
                            # on CUDA (async, a dedicated machine): the loop's step time against the bare step's
                            "loop_overhead_frac": loop["overhead_frac"] if loop["overhead_frac"] is not None

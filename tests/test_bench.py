@@ -44,6 +44,17 @@ def test_bench_train_measures_bare_step_and_loop(bench_out):
     assert row["bare_step_s"] > 0 and row["loop_step_s"] > 0 and 0 <= row["loop_overhead_frac"] < 1
     assert row["tokens_per_s"] > 0 and 0 <= row["data_wait_frac"] < 1 and row["peak_mem_gb"] > 0
     assert "mfu" not in row  # no known peak on CPU
+    assert row["optimizer"] == "adamw"
+
+
+def test_bench_train_measures_muon_steps(corpus, tmp_path):
+    out = tmp_path / "muon.json"
+    bench_module("bench_train").main(
+        ["--presets", "tiny", "--dtypes", "float32", "--compile", "off", "--steps", "2", "--repeats", "1",
+         "--batch_size", "2", "--max_seq_len", "32", "--optimizer", "muon", "--data_path", str(corpus["pretrain"]),
+         "--cache_dir", str(corpus["cache"]), "--out", str(out)])
+    [row] = json.loads(out.read_text())["results"]
+    assert row["optimizer"] == "muon" and row["bare_step_s"] > 0 and row["loop_step_s"] > 0
 
 
 def test_bench_generate_checks_identical_outputs_then_times(bench_out):

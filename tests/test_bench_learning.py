@@ -47,11 +47,20 @@ def test_flags_from_an_ablation_file_value():
         bl.Config("lr", ["--learning_rate", "1e-3", "--min_lr", "1e-5"])
 
 
-def test_the_shipped_ablation_file_checks_and_plans_equal_tokens(capsys):
-    assert bl.main(["--ablation", str(ROOT / "bench/ablations/demo-lr.yaml"), "--dry_run", "--out", "o"]) == 0
+@pytest.mark.parametrize("name,configs", [("demo-recipe", 3), ("demo-muon-switches", 6), ("minimind-26m-recipe", 3)])
+def test_the_shipped_ablation_files_check_and_plan_equal_tokens(capsys, name, configs):
+    assert bl.main(["--ablation", str(ROOT / f"bench/ablations/{name}.yaml"), "--dry_run", "--out", "o"]) == 0
     commands = capsys.readouterr().out.splitlines()
-    assert len(commands) == 3 and all("--max_steps 200 --eval_interval 20" in c for c in commands)
-    assert "--run_name lr-1e-3" in commands[1] and "--learning_rate 0.001" in commands[1]
+    assert len(commands) == configs
+    assert len({c.split("--max_steps ")[1] for c in commands}) == 1  # every configuration: the same steps
+
+
+def test_the_demo_recipe_ablation_pins_what_it_compares(capsys):
+    """before/after are spelled out in full, so the ablation means the same after the recipe changes."""
+    assert bl.main(["--ablation", str(ROOT / "bench/ablations/demo-recipe.yaml"), "--dry_run", "--out", "o"]) == 0
+    before, _, after = capsys.readouterr().out.splitlines()
+    assert "--optimizer adamw --no-qk_norm --learning_rate 0.002" in before and "--max_steps 450" in before
+    assert "--optimizer muon --qk_norm --learning_rate 0.004" in after
 
 
 def test_an_equal_time_dry_run_shows_the_calibrations_and_the_seeds(capsys):

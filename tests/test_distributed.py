@@ -28,7 +28,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNB
 def args(corpus, out: Path, run: str, **over) -> list[str]:
     base = {"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": out, "run_name": run,
             "preset": "tiny", "max_steps": 6, "dtype": "float32", "log_interval": 1, "eval_interval": 3,
-            "save_interval": 3, "num_workers": 0, "learning_rate": 1e-3, "warmup_steps": 2, "keep_last": 10}
+            "save_interval": 3, "num_workers": 0, "learning_rate": 1e-3, "warmup_steps": 2, "keep_last": 10,
+            "optimizer": "adamw"}  # (test_train.flags says why)
     return cli_flags(base, **over)
 
 

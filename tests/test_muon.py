@@ -1,4 +1,5 @@
-"""--optimizer muon: which parameters Muon takes, one optimizer made of two, schedule, resume, DDP, refusals."""
+"""--optimizer muon: which parameters Muon takes, one optimizer made of two, schedule, DDP, defaults, refusals
+(exact resume: tests/test_train.py)."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from test_train import flags, stop_at, weights
+from test_train import flags, weights
 
 import train_pretrain
 from common.errors import ConfigError
@@ -116,18 +117,6 @@ def test_state_dict_round_trip_continues_identically():
         assert torch.equal(a, b)
 
 
-def test_resume_with_muon_is_bit_identical(corpus, tmp_path, monkeypatch):
-    muon_flags = dict(optimizer="muon", muon_lr=3e-3)
-    assert train_pretrain.main(flags(corpus, tmp_path, "straight", **muon_flags)) == 0
-    stop_at(monkeypatch, 4)
-    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", **muon_flags)) == 0
-    monkeypatch.undo()
-    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", resume=True, **muon_flags)) == 0
-    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == [2, 4, 6, 8]
-
-
 def test_muon_with_accumulation_matches_a_bigger_batch(corpus, tmp_path):
     common = dict(max_steps=2, log_interval=1, eval_interval=100, save_interval=100, optimizer="muon")
     assert train_pretrain.main(flags(corpus, tmp_path, "big", batch_size=8, **common)) == 0
@@ -148,7 +137,7 @@ def test_muon_learns_a_sample_by_heart(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--muon_lr", "0.01"], "--optimizer muon"),
+    (["--optimizer", "adamw", "--muon_lr", "0.01"], "--optimizer muon"),
     (["--optimizer", "muon", "--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"], "DDP"),
 ])
 def test_muon_settings_that_cannot_work_are_refused(argv, message):
@@ -195,3 +184,16 @@ def test_ddp_ranks_end_with_identical_weights_under_muon(corpus, tmp_path):
     a = [m["loss"] for m in read_metrics(tmp_path / "ddp")]
     b = [m["loss"] for m in read_metrics(tmp_path / "single")]
     assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.parametrize("stage,argv,expected", [
+    ("pretrain", [], "muon"),
+    ("pretrain", ["--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"], "adamw"),  # where Muon cannot run
+    ("pretrain", ["--optimizer", "adamw"], "adamw"),
+    ("sft", [], "adamw"),  # fine-tuning keeps AdamW
+    ("sft", ["--optimizer", "auto"], "muon"),
+])
+def test_pretraining_defaults_to_muon_where_it_can_run(stage, argv, expected):
+    if "--deepspeed" in argv:
+        pytest.importorskip("deepspeed")
+    assert parse_train_config(stage, argv, "").optim.optimizer == expected

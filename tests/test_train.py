@@ -37,9 +37,12 @@ TEXTS = [r["text"] for r in demo_records("pretrain_demo.jsonl", 40)]
 
 
 def flags(corpus, tmp_path, run="run", **over) -> list[str]:
+    """A tiny run's flags. AdamW, not pretraining's default Muon: the loop's tests compare runs to 1e-5, and Muon's
+    bf16 Newton-Schulz rounds gradients equal to ~1e-7 an ulp apart (Muon's own tests: tests/test_muon.py)."""
     base = {"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": tmp_path, "run_name": run,
             "preset": "tiny", "batch_size": 4, "max_steps": 8, "dtype": "float32", "log_interval": 2,
-            "eval_interval": 4, "save_interval": 4, "num_workers": 0, "learning_rate": 1e-3, "warmup_steps": 2}
+            "eval_interval": 4, "save_interval": 4, "num_workers": 0, "learning_rate": 1e-3, "warmup_steps": 2,
+            "optimizer": "adamw"}
     return cli_flags(base, **over)
 
 
@@ -70,13 +73,15 @@ def test_overfits_a_few_samples(corpus, tmp_path):
     assert losses[0] > 3 and losses[-1] < 0.05, losses  # from ~ln(6400) = 8.8 to memorised
 
 
-def test_resume_is_bit_identical_to_an_uninterrupted_run(corpus, tmp_path, monkeypatch):
-    assert train_pretrain.main(flags(corpus, tmp_path, "straight")) == 0
+@pytest.mark.parametrize("extra", [dict(optimizer="adamw"), dict(optimizer="muon", muon_lr=3e-3)],
+                         ids=["adamw", "muon"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(corpus, tmp_path, monkeypatch, extra):
+    assert train_pretrain.main(flags(corpus, tmp_path, "straight", **extra)) == 0
     stop_at(monkeypatch, 4)
-    assert train_pretrain.main(flags(corpus, tmp_path, "resumed")) == 0
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", **extra)) == 0
     assert (tmp_path / "resumed" / "latest").read_text().strip().endswith("step_00000004")
     monkeypatch.undo()
-    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", resume=True)) == 0
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", resume=True, **extra)) == 0
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -100,8 +100,9 @@ class OptimConfig:
                                  below=1)
     weight_decay: float = option(0.1, "weight decay on matrices (never on norms, biases, embeddings)",
                                  at_least=0)
-    optimizer: Literal["adamw", "muon", "sgd"] = option(
-        "adamw", "optimizer; muon: Muon on the blocks' weight matrices, AdamW on embeddings, norms, biases and head")
+    optimizer: Literal["auto", "adamw", "muon", "sgd"] = option(
+        "adamw", "optimizer. muon: Muon on the blocks' weight matrices, AdamW on embeddings, norms, biases and "
+                 "head; auto: muon, except adamw under --deepspeed (README \"Muon\")")
     beta1: float = option(0.9, "AdamW beta1", at_least=0, below=1)
     beta2: float = option(0.95, "AdamW beta2", at_least=0, below=1)
     adam_eps: float = option(1e-8, "AdamW epsilon", above=0)
@@ -236,6 +237,8 @@ class TrainConfig:
 
     def check(self) -> None:
         """Cross-setting checks that need nothing slow (no data, model or device), so they fail at once."""
+        if self.optim.optimizer == "auto":  # pretraining's default: Muon where it can run
+            self.optim.optimizer = "adamw" if self.precision.deepspeed is not None else "muon"
         if self.run.resume and self.run.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other")
         if self.eval.early_stopping and not self.run.checkpoints:
@@ -247,8 +250,9 @@ class TrainConfig:
         if self.model.init_from is not None:
             given = [f"--{k}" for k in ModelOptions.SHAPE_FLAGS if getattr(self.model, k) is not None]
             if given:
-                raise ConfigError(f"{', '.join(given)} cannot take effect with --init_from: the model's shape "
-                                  f"comes from {self.model.init_from}; drop {'it' if len(given) == 1 else 'them'}")
+                raise ConfigError(f"{', '.join(given)} cannot take effect with --init_from: the model (its shape "
+                                  f"and weights) comes from {self.model.init_from}; "
+                                  f"drop {'it' if len(given) == 1 else 'them'}")
         if self.optim.optimizer != "muon" and self.optim.muon_lr is not None:
             raise ConfigError(f"--muon_lr sets Muon's learning rate; the optimizer is {self.optim.optimizer} (add "
                               "--optimizer muon, or drop --muon_lr)")
@@ -272,7 +276,10 @@ class TrainConfig:
 
 SFT_DEMO = ["dataset/demo/sft_demo.jsonl"]
 STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "pretrain": dict(data_path=["dataset/demo/pretrain_demo.jsonl"], batch_size=32, learning_rate=5e-4),
+    # Muon learns more per token and per second than AdamW from scratch (README "Muon", dev/LOG.md); fine-tuning
+    # keeps AdamW, the optimizer most published checkpoints were trained with
+    "pretrain": dict(data_path=["dataset/demo/pretrain_demo.jsonl"], batch_size=32, learning_rate=5e-4,
+                     optimizer="auto"),
     "sft": dict(data_path=SFT_DEMO, batch_size=16, learning_rate=5e-5),
     # adapters start at zero and have few parameters: a larger step than full fine-tuning
     "lora": dict(data_path=SFT_DEMO, batch_size=16, learning_rate=1e-4, lora_rank=16),

@@ -303,8 +303,6 @@ class Trainer:
     """Runs optimizer steps until max_steps, a stop signal, early stopping, or non-finite trouble (which ends
     it with `fallback` set when the run should continue in a wider precision)."""
 
-    resumed_train_s = 0.0  # training seconds of the run before the checkpoint it resumes (elapsed_s goes on)
-
     def __init__(self, session: Session) -> None:
         s, c = session, session.config
         self.s, self.config, self.backend = s, c, s.backend
@@ -338,6 +336,7 @@ class Trainer:
         # Progress. The running totals live on the device and are read once per log interval (no host sync
         # per step); the plain numbers are what checkpoints and the log read.
         self.step, self.cursor, self.tokens_seen, self.skipped, self.bad_in_a_row = 0, 0, 0, 0, 0
+        self.resumed_train_s = 0.0  # training seconds before the checkpoint resumed from (elapsed_s goes on)
         self.val_loss: float | None = None
         self.last_train_loss: float | None = None  # of the last logged window, for --overfit_gap
         self.best = {"val_loss": None, "step": None, "evals_since": 0}  # early stopping's memory (checkpointed)
