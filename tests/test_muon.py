@@ -197,3 +197,11 @@ def test_pretraining_defaults_to_muon_where_it_can_run(stage, argv, expected):
     if "--deepspeed" in argv:
         pytest.importorskip("deepspeed")
     assert parse_train_config(stage, argv, "").optim.optimizer == expected
+
+
+def test_resuming_with_another_optimizer_names_the_one_to_use(corpus, tmp_path, capsys):
+    """A run begun with AdamW (as every pretraining run was before Muon became the default) resumes only as one."""
+    assert train_pretrain.main(flags(corpus, tmp_path, max_steps=4, optimizer="adamw")) == 0
+    assert train_pretrain.main(flags(corpus, tmp_path, max_steps=8, optimizer="muon", resume=True)) == 2
+    assert "trained with --optimizer adamw" in capsys.readouterr().err
+    assert train_pretrain.main(flags(corpus, tmp_path, max_steps=8, optimizer="adamw", resume=True)) == 0

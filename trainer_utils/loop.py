@@ -376,6 +376,10 @@ class Trainer:
     # ------------------------------------------------------------------------- state
     def _restore(self, ckpt: Path) -> None:
         state = load_training_state(ckpt)
+        saved = state.get("config", {}).get("optim", {}).get("optimizer")
+        if saved not in (None, self.config.optim.optimizer):  # e.g. a run begun before pretraining's default was Muon
+            raise ConfigError(f"{ckpt}: trained with --optimizer {saved}, whose state cannot turn into "
+                              f"{self.config.optim.optimizer}'s mid-run; resume it with --optimizer {saved}")
         if self.s.lora is not None:  # the base is already in place (build_model), checked against its hash
             load_lora_state_dict(self.model, read_state_dict(ckpt / ADAPTER_WEIGHTS_NAME), str(ckpt))
         else:
