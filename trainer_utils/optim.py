@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -17,11 +17,11 @@ def is_embedding(name: str) -> bool:
     return name.endswith(("embed_tokens.weight", "embed_positions.weight"))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only: never on norms, biases or embeddings (decaying embeddings of rare tokens
     toward zero only hurts). named_parameters() lists a tied lm_head once, as the embedding."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in named:
         if not p.requires_grad:
             continue
         (decay if p.ndim >= 2 and not is_embedding(name) else no_decay).append(p)
@@ -88,23 +88,21 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     # The fused AdamW kernel updates all parameters in one pass (3.5x faster than the default on CPU, one launch
     # on GPU) and can skip a step on a device-side flag, so non-finite steps need no host sync.
     fused = device.type in ("cuda", "cpu")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if name == "adamw":
-        return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
+        return torch.optim.AdamW(param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
     if name == "sgd":
         # Not fused: torch's fused SGD leaves the momentum buffer uninitialised when its first step is skipped.
-        return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum, nesterov=momentum > 0)
+        return torch.optim.SGD(param_groups(named, weight_decay), lr=lr, momentum=momentum, nesterov=momentum > 0)
     if name == "muon":
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         hidden = [p for n, p in named if is_hidden_matrix(n, p)]
         if not hidden:
             raise ConfigError("--optimizer muon found no hidden weight matrix to train (use adamw)")
-        rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
-        decay = [p for n, p in rest if p.ndim >= 2 and not is_embedding(n)]  # MoE expert stacks, routers, head
-        no_decay = [p for n, p in rest if not (p.ndim >= 2 and not is_embedding(n))]
+        # the rest on AdamW, decayed as usual: MoE expert stacks, routers and an untied head decay, the others not
+        rest = param_groups(((n, p) for n, p in named if not is_hidden_matrix(n, p)), weight_decay)
         scale = (muon_lr if muon_lr is not None else lr) / lr
         muon_groups = [{"params": hidden, "lr": lr * scale, "lr_scale": scale, "weight_decay": weight_decay}]
-        adamw_groups = [{"params": ps, "lr": lr, "weight_decay": wd}
-                        for ps, wd in ((decay, weight_decay), (no_decay, 0.0)) if ps]
+        adamw_groups = [{**group, "lr": lr} for group in rest if group["params"]]
         return MuonWithAdamW(muon_groups, adamw_groups, momentum=muon_momentum, betas=betas, eps=eps, fused=fused)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
