@@ -21,6 +21,7 @@ from typing import ClassVar, Literal
 import torch
 
 from common.config import option, parse_config
+from common.device import choose_dtype
 from common.errors import ConfigError, PocketLMError
 from dataset.jsonl import SkipReport, check_path, read_records
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
@@ -33,7 +34,6 @@ from model.inference import (
     pack_documents,
     read_train_info,
     resolve_device,
-    resolve_dtype,
     score_windows,
     split_windows,
     stream_generate,
@@ -56,7 +56,7 @@ class Evaluator:
 
     def __init__(self, config: EvalConfig, device: torch.device) -> None:
         task, self.sampling = config.task, config.sampling
-        dtype = resolve_dtype(config.device.dtype, device)
+        dtype = choose_dtype(config.device.dtype, device, "inference").dtype
         self.model, model_dir = load_model(task.checkpoint, device=device, dtype=dtype)
         self.stage = task.stage or read_train_info(model_dir)["stage"]
         self.system = task.system

@@ -41,6 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common.device import choose_dtype  # noqa: E402
 from dataset.config import DataConfig, training_data  # noqa: E402
 from dataset.preference import PreferenceDataset  # noqa: E402
 from dataset.tokenizer import Tokenizer  # noqa: E402
@@ -48,7 +49,7 @@ from model import PocketLM  # noqa: E402
 from model.config import reshape_preset  # noqa: E402
 from trainer_utils.objectives import DPO, Batch, sequence_log_probs  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
-from trainer_utils.runtime import Precision, resolve_dtype  # noqa: E402
+from trainer_utils.runtime import Precision  # noqa: E402
 
 DEMO_PAIRS = ROOT / "dataset" / "demo" / "dpo_demo.jsonl"
 VARIANTS = ("cached", "recomputed")
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
     # a shared machine's load skews step times: record what it was when the measurement began
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     device = torch.device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = choose_dtype(args.dtype, device).dtype
     precision = Precision(device, dtype)
     torch.manual_seed(args.seed)
     tokenizer = Tokenizer()

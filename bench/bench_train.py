@@ -39,13 +39,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
+from common.device import DTYPES  # noqa: E402
 from model import PocketLM, get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
 from trainer_utils.loop import Trainer  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
-from trainer_utils.runtime import DTYPES, Precision  # noqa: E402
+from trainer_utils.runtime import Precision  # noqa: E402
 
 
 def cpu_model() -> str:

@@ -59,11 +59,11 @@ from typing import Callable
 
 import torch
 
+from common.device import DTYPES
 from common.errors import TokenizerError
 
 from .config import ConfigError, ModelConfig, get_preset
 from .gguf import OUTTYPES, export_gguf
-from .inference import DTYPES
 from .loading import (
     ADAPTER_WEIGHTS_NAME,
     CONFIG_NAME,

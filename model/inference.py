@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from common.config import option
-from common.errors import CheckpointError, ConfigError
+from common.device import parse_device
+from common.errors import CheckpointError
 from common.files import TRAIN_INFO_NAME
 
 from .generate import generate
@@ -46,46 +47,28 @@ def read_train_info(model_dir: str | Path) -> dict:
     return info
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 @dataclass
 class DeviceConfig:
     """Where a model runs and in which number format (evaluation; training extends it)."""
 
     title: ClassVar[str] = "precision and devices"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", "number format (auto: bf16 on GPUs that have it, else fp32; training also uses bf16 on CPUs "
-                "with native bf16, and fp16 with loss scaling on older GPUs)")
-    device: str = option("auto", "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N", metavar="DEVICE")
+        "auto", "number format; auto asks the device's precision policy (README \"Precision\"): training "
+                "autocasts to bf16 where it is native (Ampere+ GPUs, CPUs with AVX512-BF16/AMX), fp16 with loss "
+                "scaling on older GPUs, else fp32; evaluation and serving use bf16 weights on GPUs with native "
+                "bf16, else fp32")
+    device: str = option("auto", "auto (CUDA, else Apple MPS, else CPU) | cpu | cuda | cuda:N | mps",
+                         metavar="DEVICE")
 
 
 def resolve_device(name: str | None = None) -> torch.device:
-    """The requested device, or (None / "auto") CUDA when available, else CPU; on CUDA the attention kernel
-    policy is set (model.model.set_attention_policy).
-
-    Raises ConfigError for a device string PyTorch does not know, or a CUDA device where CUDA is unavailable,
-    so every command line reports both the same way before loading anything."""
-    if not name or name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"--device {name}: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: CUDA is not available")
+    """The requested device (common.device.parse_device: auto, cpu, cuda[:N], mps; anything else is a
+    ConfigError naming what is supported, before anything is loaded); on CUDA the attention kernel policy is
+    set (model.model.set_attention_policy)."""
+    device = parse_device(name)
     if device.type == "cuda":
         set_attention_policy()
     return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' means bf16 on a CUDA device that supports it, float32 otherwise; else the named dtype."""
-    if name == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    return DTYPES[name]
 
 
 # ---------------------------------------------------------------------- streaming text

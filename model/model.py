@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from common.device import capabilities
+
 from .config import ModelConfig
 
 
@@ -250,9 +252,10 @@ class Experts(nn.Module):
 
 
 def use_grouped_mm(x: torch.Tensor) -> bool:
-    """Grouped matmuls where PyTorch has them for the device: CUDA in bf16 (its backward is not available on
-    CPU in PyTorch 2.13, and the kernel wants 16-byte aligned rows)."""
-    if not (x.is_cuda and hasattr(F, "grouped_mm") and x.shape[-1] % 8 == 0):
+    """Grouped matmuls where PyTorch has them for the device: CUDA in bf16, on GPUs where bf16 is native (the
+    precision policy, common/device.py); its backward is not available on CPU in PyTorch 2.13, and the kernel
+    wants 16-byte aligned rows."""
+    if not (x.is_cuda and hasattr(F, "grouped_mm") and x.shape[-1] % 8 == 0 and capabilities(x.device).bf16):
         return False
     if torch.is_autocast_enabled("cuda"):  # the matmuls run in the autocast dtype
         return torch.get_autocast_dtype("cuda") == torch.bfloat16

@@ -26,10 +26,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.device import choose_dtype
 from common.errors import ConfigError
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import generate, load_model
-from model.inference import fit_chat, keep_recent, read_train_info, resolve_dtype
+from model.inference import fit_chat, keep_recent, read_train_info
 
 from .config import ServeConfig
 from .engine import ChoiceEnd, Engine, QueueFull, RequestEnd, RequestError, SamplingParams, TextDelta
@@ -80,7 +81,8 @@ def load_service(config: ServeConfig, device: torch.device) -> Service:
     """Load the checkpoint as eval_model.py does (stage from train_info.json, the checkpoint's tokenizer) and
     wrap it in an engine (not started)."""
     m = config.model
-    model, model_dir = load_model(m.checkpoint, device=device, dtype=resolve_dtype(config.device.dtype, device))
+    dtype = choose_dtype(config.device.dtype, device, "inference").dtype
+    model, model_dir = load_model(m.checkpoint, device=device, dtype=dtype)
     stage = m.stage or read_train_info(model_dir)["stage"]
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     if not has_tokenizer:

@@ -27,6 +27,13 @@ def tiny_config(style: str = "llama", **overrides) -> ModelConfig:
     return get_preset("tiny", **{**base, **overrides})
 
 
+def fake_cpu(monkeypatch, bf16: bool) -> None:
+    """Make the precision policy see a CPU with (or without) native bf16, whatever this machine is."""
+    from common import device
+    caps = device.Capabilities("cpu", bf16, False, f"faked: {'native' if bf16 else 'no native'} bf16")
+    monkeypatch.setattr(device, "cpu_capabilities", lambda: caps)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

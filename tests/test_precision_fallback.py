@@ -11,11 +11,10 @@ from test_train import flags, stop_at, weights
 
 import train_pretrain
 from trainer_utils import loop as loop_mod
-from trainer_utils import runtime
 from trainer_utils.backend import TorchBackend
 from trainer_utils.runtime import fallback_dtype, wider_dtype
 
-from conftest import read_metrics, strict_records
+from conftest import fake_cpu, read_metrics, strict_records
 
 
 def poison(monkeypatch, dtypes: set[torch.dtype], when=lambda step: True) -> None:
@@ -49,14 +48,14 @@ FP16_RUN = dict(dtype="float16", max_steps=12, max_bad_steps=2, eval_interval=10
 @pytest.fixture
 def native_bf16(monkeypatch):
     """Pretend the CPU computes bf16 natively, so fp16 falls back to bf16 on any machine."""
-    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
+    fake_cpu(monkeypatch, bf16=True)
 
 
 def test_fallback_order_and_choice_per_device(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
+    fake_cpu(monkeypatch, bf16=True)
     assert fallback_dtype(torch.float16, cpu) == torch.bfloat16
-    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: False)
+    fake_cpu(monkeypatch, bf16=False)
     assert fallback_dtype(torch.float16, cpu) == torch.float32  # emulated bf16 is slower than fp32
     assert fallback_dtype(torch.bfloat16, cpu) == torch.float32
     assert fallback_dtype(torch.float32, cpu) is None

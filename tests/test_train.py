@@ -13,7 +13,6 @@ import torch
 
 import train_full_sft
 import train_pretrain
-from common.errors import ConfigError
 from model import PocketLM, load_model
 from trainer_utils import checkpoint as ckpt_mod
 from trainer_utils import loop as loop_mod
@@ -340,29 +339,6 @@ def test_a_step_without_targets_is_skipped(corpus, tmp_path, monkeypatch, extra)
     assert out["weights_moved"] == [] and not out["optimizer_moved"] and out["skipped"] == 1
     [record] = [r for r in out["records"] if "loss" in r]
     assert record["loss"] is None and record["skipped_steps"] == 1 and record["tokens_seen"] == 0
-
-
-@pytest.mark.parametrize("has_bf16,has_cpu_bf16", [(True, False), (False, True)])
-def test_precision_choice_per_device(monkeypatch, has_bf16, has_cpu_bf16):
-    """--dtype auto: bf16 on GPUs that have it, else fp16 + loss scaling; on CPU bf16 only with hardware bf16.
-    An explicit bf16 request on a GPU without it stops with advice instead of failing inside a kernel."""
-    from trainer_utils import runtime
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: has_bf16)
-    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: has_cpu_bf16)
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert runtime.resolve_dtype("auto", cuda) == (torch.bfloat16 if has_bf16 else torch.float16)
-    assert runtime.resolve_dtype("auto", cpu) == (torch.bfloat16 if has_cpu_bf16 else torch.float32)
-    assert runtime.resolve_dtype("float16", cuda) == torch.float16
-    if has_bf16:
-        assert runtime.resolve_dtype("bfloat16", cuda) == torch.bfloat16
-    else:
-        with pytest.raises(ConfigError, match="no bf16 support; use --dtype float16"):
-            runtime.resolve_dtype("bfloat16", cuda)
-    with pytest.raises(ConfigError, match="expected auto or one of"):
-        runtime.resolve_dtype("fp8", cpu)
-    # fp16 always gets a GradScaler, other dtypes never do
-    assert runtime.Precision(cpu, torch.float16).scaler.is_enabled()
-    assert not runtime.Precision(cpu, torch.bfloat16).scaler.is_enabled()
 
 
 def test_tf32_switch_sets_cuda_matmul_precision_only():

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from common.config import RESOLVED_KEY, to_dict
+from common.device import DTYPES, choose_dtype, dtype_name, precision_policy
 from common.errors import CheckpointError, ConfigError, PocketLMError, TokenizerError, TrainingError
 from common.files import BEST_NAME, TRAIN_CONFIG_NAME, file_sha256, shipped_path, write_atomic
 from dataset.config import DataConfig, training_data
@@ -37,7 +38,7 @@ from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
 from model.config import architecture, model_name, reshape_preset
 from model.generate import generate
-from model.inference import DTYPES, read_train_info, token_byte_lengths
+from model.inference import read_train_info, token_byte_lengths
 from model.loading import (
     ADAPTER_WEIGHTS_NAME,
     LORA_CONFIG_NAME,
@@ -82,7 +83,6 @@ from .runtime import (
     Precision,
     StopSignal,
     fallback_dtype,
-    resolve_dtype,
     rng_state,
     seed_everything,
     set_rng_state,
@@ -139,7 +139,11 @@ class Session:
         # Flags that need the device are checked before anything slow.
         self.env = detect_env()
         self.device = device_for(self.env, config.precision.device)
-        self.precision = Precision(self.device, resolve_dtype(config.precision.dtype, self.device))
+        # the precision policy's answer for this device (common/device.py), said in the run header
+        choice = choose_dtype(config.precision.dtype, self.device, "train")
+        self.precision, self.precision_reason = Precision(self.device, choice.dtype), choice.reason
+        if choice.warning and self.env.rank == 0:
+            print(f"warning: {choice.warning}", file=sys.stderr)
         seed_everything(config.optim.seed)
 
         self.init_dir = resolve_model_dir(m.init_from) if m.init_from else None
@@ -223,8 +227,10 @@ class Session:
             return
         dtype = wider_dtype(self.precision.dtype, DTYPES[self.fallbacks[-1]["to"]])
         if dtype != self.precision.dtype:
-            print(f"note: resuming in {dtype_name(dtype)}: this run fell back to it from "
-                  f"{self.fallbacks[-1]['from']} at step {self.fallbacks[-1]['step']}", file=sys.stderr)
+            last = self.fallbacks[-1]
+            self.precision_reason = (f"{dtype_name(dtype)}: this run fell back to it from {last['from']} at step "
+                                     f"{last['step']}")
+            print(f"note: resuming in {self.precision_reason}", file=sys.stderr)
             self.precision = Precision(self.device, dtype)
 
     def fall_back(self, event: dict[str, Any]) -> None:
@@ -232,6 +238,7 @@ class Session:
         the next Trainer resumes from there with the new precision."""
         self.fallbacks.append(event)
         self.precision = Precision(self.device, DTYPES[event["to"]])
+        self.precision_reason = f"{event['to']}: fell back from {event['from']} at step {event['step']}"
         self.backend.set_precision(self.precision)
         self.resume_from = latest_checkpoint(self.run_dir)
 
@@ -356,7 +363,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg, s.max_seq_len)
         self.peak = peak_flops(self.device)
         self.resolved = {"stage": s.stage, "run_dir": str(s.run_dir), "device": str(self.device),
-                         "dtype": dtype_name(self.precision.dtype), "world_size": world,
+                         "dtype": dtype_name(self.precision.dtype), "precision": s.precision_reason,
+                         "world_size": world,
                          "backend": self.backend.name, "total_steps": self.total_steps,
                          "steps_per_epoch": steps_per_epoch, "samples_per_step": self.samples_per_step,
                          "tokens_per_step": self.samples_per_step * s.max_seq_len, "max_seq_len": s.max_seq_len,
@@ -364,6 +372,8 @@ class Trainer:
                          "val_samples": sum(len(v.data) for v in s.val_sets),
                          "tokenizer": str(s.tokenizer.path), "tokenizer_sha256": s.tokenizer.sha256,
                          "model": cfg.to_dict(), "parameters": cfg.num_parameters()}
+        if o.optimizer == "muon":
+            self.resolved["newton_schulz_dtype"] = dtype_name(precision_policy(self.device).optimizer)
         if len(s.data.sources) > 1:
             self.resolved["data_mixture"] = s.data.sources
         if s.fallbacks:
@@ -880,10 +890,6 @@ def data_kind(stage: str, data: DataConfig) -> str:
         return {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "dpo": "dpo"}[stage]
     _, first = next(read_records(data.sources()[0].path, "any", data.skip_bad_lines))
     return "pretrain" if "text" in first else "sft"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def is_peer_failure(e: RuntimeError) -> bool:

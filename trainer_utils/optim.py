@@ -6,7 +6,10 @@ from typing import Any, Iterable
 
 import torch
 
+from common.device import precision_policy
 from common.errors import ConfigError
+
+from .muon import Muon
 
 OPTIMIZERS = ("adamw", "muon", "sgd")
 
@@ -36,7 +39,7 @@ def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """torch.optim.Muon on the hidden matrices and AdamW on everything else, as one optimizer.
+    """Muon (trainer_utils/muon.py) on the hidden matrices and AdamW on everything else, as one optimizer.
 
     One object keeps the training loop unchanged: one param_groups list (clipping, GradScaler.unscale_ and the
     schedule see every parameter), one state dict (exact resume). The two inner optimizers work on the very
@@ -48,9 +51,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, muon_groups: list[dict[str, Any]], adamw_groups: list[dict[str, Any]], *,
-                 momentum: float, betas: tuple[float, float], eps: float, fused: bool) -> None:
-        self.muon = torch.optim.Muon(muon_groups, momentum=momentum, nesterov=True,
-                                     adjust_lr_fn="match_rms_adamw")
+                 momentum: float, betas: tuple[float, float], eps: float, fused: bool,
+                 ns_dtype: torch.dtype) -> None:
+        self.muon = Muon(muon_groups, momentum=momentum, nesterov=True, adjust_lr_fn="match_rms_adamw",
+                         ns_dtype=ns_dtype)
         self.adamw = torch.optim.AdamW(adamw_groups, betas=betas, eps=eps, fused=fused)
         for owner, inner in (("muon", self.muon), ("adamw", self.adamw)):
             for group in inner.param_groups:
@@ -83,7 +87,8 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     """AdamW, SGD or Muon+AdamW over `model`'s trainable parameters, weight decay on matrices only.
 
     Every group may carry an "lr_scale": its learning rate relative to the schedule's (WarmupCosine applies it),
-    which is how Muon's matrices get their own learning rate under one schedule.
+    which is how Muon's matrices get their own learning rate under one schedule. Muon's Newton-Schulz iteration
+    runs in the device's fast precision (common/device.py: bf16 where native, else fp32 or fp16).
     """
     # The fused AdamW kernel updates all parameters in one pass (3.5x faster than the default on CPU, one launch
     # on GPU) and can skip a step on a device-side flag, so non-finite steps need no host sync.
@@ -103,7 +108,8 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
         scale = (muon_lr if muon_lr is not None else lr) / lr
         muon_groups = [{"params": hidden, "lr": lr * scale, "lr_scale": scale, "weight_decay": weight_decay}]
         adamw_groups = [{**group, "lr": lr} for group in rest if group["params"]]
-        return MuonWithAdamW(muon_groups, adamw_groups, momentum=muon_momentum, betas=betas, eps=eps, fused=fused)
+        return MuonWithAdamW(muon_groups, adamw_groups, momentum=muon_momentum, betas=betas, eps=eps, fused=fused,
+                             ns_dtype=precision_policy(device).optimizer)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 

@@ -8,41 +8,13 @@ import shutil
 import signal
 import sysconfig
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from common.errors import ConfigError
-from model.inference import DTYPES
-
-
-@lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 in hardware (AVX512-BF16 or AMX), where bf16 autocast pays off."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Autocast dtype for "auto": bf16 on CUDA when supported, else fp16 (with a GradScaler); on CPU bf16 only
-    where the hardware has it — measured 2.3x faster than fp32 for a 4-layer d256 model on an AMX Xeon, while
-    emulated bf16 is slower than fp32."""
-    if name != "auto":
-        if name not in DTYPES:
-            raise ConfigError(f"--dtype {name!r}; expected auto or one of {sorted(DTYPES)}")
-        if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("this GPU has no bf16 support; use --dtype float16 (loss scaling is automatic)")
-        return DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
+from common.device import capabilities
 
 # From least to most numeric range and precision: a precision fallback only ever moves right.
 FALLBACK_ORDER = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,11 +24,10 @@ def fallback_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | No
     """The precision to continue in when `dtype` keeps producing non-finite gradients, or None from fp32.
 
     fp16 overflows at 65504, so its trouble is usually range: bf16 has fp32's exponent range and is the
-    cheapest cure where the device computes it natively (GPUs that have it, CPUs with AVX512-BF16/AMX);
-    elsewhere fp32. bf16 goes to fp32 (its 8-bit mantissa is the remaining suspect)."""
+    cheapest cure where the device computes it natively (common/device.py: Ampere+ GPUs, CPUs with
+    AVX512-BF16/AMX); elsewhere fp32. bf16 goes to fp32 (its 8-bit mantissa is the remaining suspect)."""
     if dtype == torch.float16:
-        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16()
-        return torch.bfloat16 if native else torch.float32
+        return torch.bfloat16 if capabilities(device).bf16 else torch.float32
     if dtype == torch.bfloat16:
         return torch.float32
     return None
