@@ -41,7 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.device import choose_dtype  # noqa: E402
+from common.device import choose_dtype, synchronize  # noqa: E402
 from dataset.config import DataConfig, training_data  # noqa: E402
 from dataset.preference import PreferenceDataset  # noqa: E402
 from dataset.tokenizer import Tokenizer  # noqa: E402
@@ -74,12 +74,6 @@ def load_pairs(data_path: str, cache_dir: str | None, num_workers: int | None, t
     """The training split of the pair file, tokenized through the real cache exactly as train_dpo.py reads it."""
     data = DataConfig(data_path=[data_path], cache_dir=cache_dir, num_workers=num_workers)
     return training_data(data, tokenizer, "dpo", max_seq_len, batch_size, seed, log=log).train
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels, so wall-clock times cover the work (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def reference_pass(reference: torch.nn.Module, batches: Iterable[tuple[np.ndarray, torch.Tensor, torch.Tensor]],

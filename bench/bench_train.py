@@ -39,7 +39,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
-from common.device import DTYPES  # noqa: E402
+from common.device import DTYPES, synchronize  # noqa: E402
 from model import PocketLM, get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
@@ -76,13 +76,11 @@ def peak_rss_gb() -> float:
 
 def seconds_per_call(fn, n: int, device: torch.device) -> float:
     """Mean seconds of n calls of fn, the device's queued work included."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return (time.perf_counter() - t0) / n
 
 

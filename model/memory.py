@@ -144,6 +144,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from common.device import synchronize
 from common.errors import ConfigError
 
 from .config import ModelConfig
@@ -557,18 +558,22 @@ def _profiler_noise_filtered() -> Iterator[None]:
 
 
 def measure_step_peak(step: Callable[[], Any], device: torch.device,
-                      *holders: torch.nn.Module | torch.optim.Optimizer) -> int:
+                      *holders: torch.nn.Module | torch.optim.Optimizer) -> int | None:
     """Peak bytes of live tensors during one call of `step` (a whole training step) on `device`.
 
     CUDA: the allocator's peak, reset first. CPU: the bytes `holders` hold before the call, plus the highest
     running sum of the allocations and frees that torch.profiler records during it. Exact (it is what the
-    allocator was asked for), but profiling slows that step, so measure one step, not every one.
+    allocator was asked for), but profiling slows that step, so measure one step, not every one. MPS: None (the
+    step runs unmeasured): Metal's allocator keeps no peak and the CPU profiler does not see its allocations.
     """
+    if device.type == "mps":
+        step()
+        return None
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
-        torch.cuda.synchronize(device)
+        synchronize(device)
         return torch.cuda.max_memory_allocated(device)
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

@@ -11,15 +11,18 @@ value of its input; emulating that table in PocketLM brings almost every positio
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from common.device import cpu_flags
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ConfigError, PocketLM, load_model, save_model
 from model.convert import main as convert_main
@@ -73,8 +76,34 @@ def random_model(cfg, scale: float = 4) -> PocketLM:
 
 def load(llama_cpp, path, f32_cache: bool = True, n_ctx: int = 256):
     cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_cache else {}
-    return llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_threads=1, n_threads_batch=1,
-                           verbose=False, **cache)
+    with no_amx_repacking(llama_cpp):
+        return llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=n_ctx, n_threads=1, n_threads_batch=1,
+                               verbose=False, **cache)
+
+
+@contextlib.contextmanager
+def no_amx_repacking(llama_cpp):
+    """Load without llama.cpp's "extra buffer types" (weights repacked for AMX and other CPU kernels) on CPUs
+    with AMX: built natively there, llama-cpp-python 0.3.36's AMX q8_0 matmul dies of SIGILL (seen on a KVM
+    Sapphire Rapids guest, with the process's AMX permission granted, for the 26M model too), taking the test
+    process with it. Llama() exposes no such flag, so its default model parameters are patched for the call."""
+    flags = cpu_flags() or set()
+    if "amx_tile" not in flags and "amx_int8" not in flags:
+        yield
+        return
+    module = sys.modules[llama_cpp.Llama.__module__].llama_cpp  # the low-level bindings llama.py calls
+    default = module.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = default
 
 
 def llama_logits(llm, ids: list[int]) -> np.ndarray:

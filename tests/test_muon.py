@@ -15,9 +15,10 @@ import train_pretrain
 from common.errors import ConfigError
 from model import PocketLM
 from trainer_utils.config import parse_train_config
+from trainer_utils.muon import NS_COEFFICIENTS, Muon, newton_schulz
 from trainer_utils.optim import MuonWithAdamW, WarmupCosine, build_optimizer
 
-from conftest import ROOT, read_metrics, tiny_config
+from conftest import ROOT, fake_cpu, read_metrics, tiny_config
 
 CPU = torch.device("cpu")
 
@@ -58,8 +59,14 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert sum(o == "muon" for o in owners(dense, muon(dense)).values()) == 2 * 7  # q k v o gate up down
 
 
-def test_one_optimizer_steps_exactly_like_torch_muon_and_adamw_side_by_side():
-    """The combined optimizer is a bookkeeping layer: its steps equal torch.optim.Muon + AdamW run apart."""
+needs_torch_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in 2.9")
+
+
+@needs_torch_muon
+def test_one_optimizer_steps_exactly_like_torch_muon_and_adamw_side_by_side(monkeypatch):
+    """The combined optimizer is a bookkeeping layer over our Muon, whose steps (bf16 Newton-Schulz, where bf16 is
+    native) equal torch.optim.Muon + AdamW run apart."""
+    fake_cpu(monkeypatch, bf16=True)
     model = PocketLM(tiny_config())
     reference = copy.deepcopy(model)
     combined = muon(model, lr=1e-3, muon_lr=4e-3)
@@ -86,6 +93,92 @@ def test_one_optimizer_steps_exactly_like_torch_muon_and_adamw_side_by_side():
     train(reference, Both(), 3)
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(a, b), name
+
+
+@needs_torch_muon
+@pytest.mark.parametrize("shape", [(48, 48), (96, 32), (32, 96), (5, 300)], ids=["square", "tall", "wide", "thin"])
+def test_newton_schulz_in_bf16_is_torchs_bit_for_bit(shape):
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    g = torch.randn(shape)
+    assert torch.equal(newton_schulz(g, torch.bfloat16), _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, 1e-7))
+
+
+# Relative Frobenius error of each precision against the same iteration in fp64 (measured on random matrices:
+# fp32 ~1e-6, fp16 ~2e-3, bf16 ~1.6e-2, i.e. each format's rounding, amplified a few times by five steps).
+NS_TOLERANCE = {torch.float32: 1e-5, torch.float16: 6e-3, torch.bfloat16: 4e-2}
+
+
+@pytest.mark.parametrize("dtype", list(NS_TOLERANCE), ids=str)
+@pytest.mark.parametrize("shape", [(64, 64), (128, 32), (32, 128)], ids=["square", "tall", "wide"])
+def test_newton_schulz_matches_an_fp64_reference(dtype, shape):
+    # a gradient whose singular values spread over 1.5 decades
+    m, n = shape
+    u, v = torch.linalg.qr(torch.randn(m, min(m, n)))[0], torch.linalg.qr(torch.randn(n, min(m, n)))[0]
+    g = u @ torch.diag(10 * torch.logspace(-1.5, 0, min(m, n))) @ v.T
+    reference = newton_schulz(g.double(), torch.float64)
+    got = newton_schulz(g, dtype)
+    assert got.dtype == dtype and got.shape == g.shape
+    assert ((got.double() - reference).norm() / reference.norm()).item() < NS_TOLERANCE[dtype]
+    # it orthogonalises: the 30x spread of singular values becomes ~[0.68, 1.13] (Muon's S' ~ Uniform(0.5, 1.5))
+    s = torch.linalg.svdvals(got.double())
+    assert s.min() > 0.6 and s.max() < 1.2
+
+
+def test_fp16_newton_schulz_scales_before_the_cast():
+    """Gradients of 1e-6 are below fp16's normal range (6e-5): scaled to norm 1 first, they lose nothing."""
+    g = torch.randn(64, 128)
+    reference = newton_schulz(g.double(), torch.float64)
+    tiny = newton_schulz(g * 1e-6, torch.float16).double()
+    assert ((tiny - reference).norm() / reference.norm()).item() < NS_TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("bf16,expected", [(True, torch.bfloat16), (False, torch.float32)],
+                         ids=["native-bf16", "avx2-only"])
+def test_newton_schulz_runs_in_the_policys_precision(monkeypatch, bf16, expected):
+    """An AVX2-only CPU emulates bf16 at ~1% of fp32's speed: there the iteration runs in fp32."""
+    fake_cpu(monkeypatch, bf16)
+    optimizer = muon(PocketLM(tiny_config()))
+    assert optimizer.muon.ns_dtype == expected
+    seen = []
+    monkeypatch.setattr("trainer_utils.muon.newton_schulz", lambda g, dtype, *a: seen.append(dtype) or g.to(dtype))
+    train(optimizer_model := PocketLM(tiny_config()), muon(optimizer_model), 1)
+    assert seen and set(seen) == {expected}
+
+
+@needs_torch_muon
+def test_state_saved_under_torch_muon_resumes_here():
+    """Checkpoints written before this Muon (torch.optim.Muon inside) load and continue exactly."""
+    model = PocketLM(tiny_config())
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
+    theirs = torch.optim.Muon(hidden, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    train(model, theirs, 2)
+    twin = copy.deepcopy(model)
+    twin_hidden = [p for n, p in twin.named_parameters() if p.ndim == 2 and "embed" not in n]
+    ours = Muon(twin_hidden, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.bfloat16)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    train(model, theirs, 2, seed=1)
+    train(twin, ours, 2, seed=1)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_muon_trains_on_a_pytorch_without_torch_optim_muon(corpus, tmp_path, monkeypatch):
+    """PyTorch before 2.9 has no torch.optim.Muon; ours does not need it."""
+    monkeypatch.delattr(torch.optim, "Muon", raising=False)
+    argv = flags(corpus, tmp_path, max_steps=6, log_interval=2, eval_interval=100, optimizer="muon",
+                 learning_rate=3e-3)
+    assert train_pretrain.main(argv) == 0
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert losses[-1] < losses[0], losses
+
+
+def test_muon_refuses_what_it_cannot_orthogonalise():
+    with pytest.raises(ValueError, match="2-D parameters only"):
+        Muon([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        Muon([torch.nn.Parameter(torch.zeros(3, 3))], adjust_lr_fn="bigger")
+    with pytest.raises(ValueError, match="takes a matrix"):
+        newton_schulz(torch.zeros(2, 3, 4))
 
 
 def test_the_schedule_scales_muons_learning_rate_and_logs_the_base_one():

@@ -24,6 +24,7 @@ from conftest import (
     ROOT,
     cli_flags,
     demo_records,
+    fake_cpu,
     read_metrics,
     strict_records,
     tiny_config,
@@ -72,14 +73,20 @@ def test_overfits_a_few_samples(corpus, tmp_path):
     assert losses[0] > 3 and losses[-1] < 0.05, losses  # from ~ln(6400) = 8.8 to memorised
 
 
-@pytest.mark.parametrize("extra", [dict(optimizer="adamw"), dict(optimizer="muon", muon_lr=3e-3)],
-                         ids=["adamw", "muon"])
-def test_resume_is_bit_identical_to_an_uninterrupted_run(corpus, tmp_path, monkeypatch, extra):
+MUON = dict(optimizer="muon", muon_lr=3e-3)
+
+
+@pytest.mark.parametrize("extra,cpu_bf16", [(dict(optimizer="adamw"), None), (MUON, None), (MUON, False)],
+                         ids=["adamw", "muon", "muon-fp32-newton-schulz"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(corpus, tmp_path, monkeypatch, extra, cpu_bf16):
+    fake = (lambda: fake_cpu(monkeypatch, cpu_bf16)) if cpu_bf16 is not None else (lambda: None)
+    fake()
     assert train_pretrain.main(flags(corpus, tmp_path, "straight", **extra)) == 0
     stop_at(monkeypatch, 4)
     assert train_pretrain.main(flags(corpus, tmp_path, "resumed", **extra)) == 0
     assert (tmp_path / "resumed" / "latest").read_text().strip().endswith("step_00000004")
     monkeypatch.undo()
+    fake()
     assert train_pretrain.main(flags(corpus, tmp_path, "resumed", resume=True, **extra)) == 0
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     for name in a:

@@ -68,7 +68,10 @@ class StepFeeder:
             raise item
         micro, n_input = item
         self.cursor += self.samples_per_step
-        micro = [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in micro]
+        # asynchronous copies from pinned memory on CUDA only: on MPS non_blocking copies can corrupt data
+        # (pytorch#139550), and an unpinned CPU tensor gains nothing from them
+        cuda = self.device.type == "cuda"
+        micro = [tuple(t.to(self.device, non_blocking=cuda) for t in batch) for batch in micro]
         return micro, n_input
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.errors import CheckpointError
+from common.errors import CheckpointError, ConfigError
 from common.files import rendezvous_port
 from model.inference import resolve_device
 
@@ -199,6 +199,9 @@ def make_backend(config: TrainConfig, env: DistEnv, device: torch.device, precis
     """The backend for this process, from the flags and the launcher's environment."""
     if device.type == "cuda":
         set_cuda_tf32(config.precision.tf32)
+    if device.type == "mps" and (env.world_size > 1 or config.precision.deepspeed):
+        raise ConfigError(f"{'DeepSpeed' if config.precision.deepspeed else f'{env.world_size} processes'} on Apple "
+                          "MPS: PyTorch has no collective backend for MPS tensors; train in one process there")
     if config.precision.deepspeed:
         return DeepSpeedBackend(env, device, precision, config)
     comm = DistComm(env, device, config.precision.dist_timeout) if env.world_size > 1 else Comm()

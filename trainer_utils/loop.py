@@ -681,6 +681,8 @@ class Trainer:
         if not self.backend.is_main:
             return step()
         measured = measure_step_peak(step, self.device, self.model, self.optimizer)
+        if measured is None:  # a device without a peak statistic (MPS): the estimate printed at the start stands
+            return
         self.logger.log({"step": self.step, "memory_estimated_gb": round(self.memory.peak / 2**30, 4),
                          "memory_measured_gb": round(measured / 2**30, 4)})
         note = ("; the estimate is for batches of --max_seq_len tokens, chat batches are as long as their longest "

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from common.device import synchronize
+
 if TYPE_CHECKING:
     from model import ModelConfig
 
@@ -66,8 +68,7 @@ class TrainClock:
         if self.paused_at is not None:  # inside another pause already
             yield
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the queued training work belongs before the pause
+        synchronize(self.device)  # the queued training work belongs before the pause
         self.paused_at = time.perf_counter()
         try:
             yield
