@@ -11,6 +11,8 @@ PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
+	@# a PyTorch older than the floor (common/device.py) stops here in one line, before pip would swap in a CUDA build
+	@$(PYTHON) -c "import common.device"
 	$(PIP) -r requirements.txt
 
 install-dev: install

@@ -33,6 +33,26 @@ import torch
 
 from .errors import ConfigError
 
+# The oldest PyTorch the code runs on: device-generic autocast queries (torch.is_autocast_enabled(device),
+# torch.get_autocast_dtype(device)) and the fused AdamW on CPU with its found_inf step skip are new in 2.4.
+TORCH_FLOOR = (2, 4)
+
+
+def torch_version_problem(version: str) -> str | None:
+    """Why PyTorch `version` ("2.3.1+cpu", "2.4.0a0+git...") is too old for PocketLM, or None."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) >= TORCH_FLOOR:
+        return None
+    floor = ".".join(map(str, TORCH_FLOOR))
+    return (f"PocketLM needs PyTorch >= {floor}, this is {version}: install a newer one for your platform "
+            "(README \"Quick start\"; the CPU build: pip install torch==2.13.0)")
+
+
+# Checked on import, before any command parses its flags: an older PyTorch would otherwise fail later, deep in
+# a step, with a TypeError about autocast or the fused optimizer.
+if (_problem := torch_version_problem(torch.__version__)) is not None:
+    raise SystemExit(f"error: {_problem}")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICE_KINDS = ("auto", "cpu", "cuda", "cuda:N", "mps")
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 flags / the Arm "Features" word

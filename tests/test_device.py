@@ -3,6 +3,8 @@ parsing: which dtype training, inference and the optimizer get, what the run hea
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from common.device import Capabilities, choose_dtype, parse_device, policy_for, 
 from common.errors import ConfigError
 from trainer_utils.runtime import Precision, fallback_dtype
 
-from conftest import fake_cpu
+from conftest import ROOT, fake_cpu
 
 CPU, CUDA, MPS = torch.device("cpu"), torch.device("cuda", 0), torch.device("mps")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -237,3 +239,27 @@ def test_policy_for_is_the_only_decision():
     caps = Capabilities("cuda", bf16=False, fp16=True, detail="x")
     assert policy_for(caps) == policy_for(Capabilities("cuda", False, True, "x"))
     assert policy_for(caps).train == FP16
+
+
+# --------------------------------------------------------------------- torch floor
+@pytest.mark.parametrize("version,too_old", [("2.3.1+cpu", True), ("2.1.0", True), ("1.13.1", True),
+                                             ("2.4.0", False), ("2.4.0a0+git1234", False), ("2.13.0+cpu", False),
+                                             ("3.0.0", False)])
+def test_the_pytorch_floor(version, too_old):
+    problem = dev.torch_version_problem(version)
+    assert (problem is not None) == too_old
+    if too_old:
+        assert problem.startswith(f"PocketLM needs PyTorch >= 2.4, this is {version}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["train_pretrain.py", "eval_model.py", "serve_openai_api.py"])
+def test_an_older_pytorch_stops_every_command_in_one_line(script):
+    """Before any flag is parsed: `--help` too, since an old PyTorch would otherwise fail mid-run."""
+    code = ("import runpy, sys, torch; torch.__version__ = '2.3.1+cpu'; "
+            f"sys.argv = [{script!r}, '--help']; runpy.run_path({script!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: PocketLM needs PyTorch >= 2.4, this is 2.3.1+cpu: install a newer one for your platform (README "
+        "\"Quick start\"; the CPU build: pip install torch==2.13.0)"]
