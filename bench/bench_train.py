@@ -1,12 +1,19 @@
-"""Training throughput per preset: tokens/s, step time, loop overhead, data wait, MFU, peak memory.
+"""Training throughput per preset: tokens/s, step time, the optimizer's share, loop overhead, data wait, MFU, memory.
 
-    python bench/bench_train.py [--presets tiny mini-30m minimind-26m] [--dtypes float32 bfloat16] [--compile both]
+    python bench/bench_train.py [--presets tiny mini-30m minimind-26m] [--dtypes float32 auto] [--compile both]
+    python bench/bench_train.py --recipe recipes/demo-pretrain.yaml --optimizers adamw muon --compile off
 
-For every (preset, dtype, compile) it measures
-  - the bare step: forward + loss + backward + clip + optimizer step (AdamW, or --optimizer muon) on one fixed
-    batch, in a tight loop;
+For every (preset, dtype, compile, optimizer) it measures
+  - the bare step: forward + loss + backward + clip + optimizer step (--optimizers: AdamW and Muon by default)
+    on one fixed batch, in a tight loop, and the optimizer step alone on the same gradients (optimizer_step_s,
+    and optimizer_frac, its share of the bare step);
   - the real loop: train_pretrain.py in-process on the bundled corpus (data feeding, logging, bookkeeping);
-each as the fastest of --repeats blocks of equal length. It reports both step times, the loop overhead (the
+each as the fastest of --repeats blocks of equal length. Muon's rows also get vs_adamw: their bare and loop step
+times over AdamW's in the same setting (the README's goals: <= 1.3 on the demo recipe, <= 1.5 on minimind-26m
+at 8 x 512 tokens, on any CPU). --recipe takes the model shape, context and batch size of a training recipe
+instead of --presets. --dtypes auto is the precision policy's choice for this device (common/device.py): bf16
+where it is native, fp32 on CPUs without it, where a bf16 row would only time emulation; each row says why.
+It reports both step times, the loop overhead (the
 share of the loop's step time spent outside forward/backward/optimizer: measured inside the same run on CPU,
 1 - bare / loop step time on CUDA; target <= 3%), the data-wait fraction, effective (non-padding) tokens/s,
 MFU where the device's peak is known (the loop's, and the bare step's as bare_mfu), and peak memory (CUDA
@@ -39,11 +46,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
-from common.device import DTYPES, synchronize  # noqa: E402
-from model import PocketLM, get_preset  # noqa: E402
+from common.device import DTYPES, choose_dtype, dtype_name, precision_policy, synchronize  # noqa: E402
+from model import ModelConfig, PocketLM  # noqa: E402
+from model.config import get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
-from trainer_utils.loop import Trainer  # noqa: E402
+from trainer_utils.config import parse_train_config  # noqa: E402
+from trainer_utils.loop import Trainer, new_model_config  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
 from trainer_utils.runtime import Precision  # noqa: E402
@@ -84,17 +93,16 @@ def seconds_per_call(fn, n: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int | None,
+def bare_step_seconds(cfg: ModelConfig, dtype: str, compile_model: bool, batch: int, seq: int, steps: int | None,
                       min_seconds: float, repeats: int, device: torch.device,
-                      optimizer: str = "adamw") -> tuple[float, int]:
-    """Time per forward + backward + optimizer step on one fixed batch, and the steps per measured block.
+                      optimizer: str = "adamw") -> tuple[float, int, float]:
+    """Time per forward + backward + optimizer step on one fixed batch, the steps per measured block, and the
+    time of the optimizer step alone (on the last step's gradients, the same number of calls).
 
     Each of `repeats` blocks of `steps` steps gives a mean; the fastest block is reported, the one least
     disturbed by the rest of the machine (the loop is measured the same way, so the two compare like for
     like). With `steps` None a block lasts about `min_seconds` (at least 6 steps)."""
     torch.manual_seed(0)
-    cfg = get_preset(preset, max_seq_len=seq,
-                     max_position_embeddings=max(seq, get_preset(preset).max_position_embeddings))
     model = PocketLM(cfg).to(device).train()
     opt = build_optimizer(model, optimizer, 1e-4, 0.1, (0.9, 0.95), 0.9, device)
     precision = Precision(device, DTYPES[dtype])
@@ -119,15 +127,21 @@ def bare_step_seconds(preset: str, dtype: str, compile_model: bool, batch: int, 
     timed(3)  # warm-up (and compilation)
     if steps is None:
         steps = max(6, min(500, math.ceil(min_seconds / timed(2))))
-    return min(timed(steps) for _ in range(repeats)), steps
+    bare = min(timed(steps) for _ in range(repeats))
+    # the optimizer alone: one more backward leaves gradients in place, then only opt.step() is timed (the
+    # weights drift a little with each call; the arithmetic per call is the same)
+    with precision.autocast():
+        logits = fwd(x)
+    F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+    optimizer_s = min(seconds_per_call(opt.step, steps, device) for _ in range(repeats))
+    return bare, steps, optimizer_s
 
 
-def dispatch_share(preset: str, dtype: str, batch: int, seq: int, bare_step: float, repeats: int,
+def dispatch_share(cfg: ModelConfig, dtype: str, batch: int, seq: int, bare_step: float, repeats: int,
                    device: torch.device) -> dict:
     """Seconds of one MoE layer's forward + backward on batch*seq tokens, of its experts alone on the same
     tokens already grouped by expert, and the difference (the dispatch) times the layers over the bare step."""
     torch.manual_seed(0)
-    cfg = get_preset(preset)
     layer: MoE = PocketLM(cfg).layers[0].mlp.to(device)  # initialised as in training
     precision = Precision(device, DTYPES[dtype])
     x = torch.randn(batch, seq, cfg.hidden_size, device=device, requires_grad=True)
@@ -158,9 +172,8 @@ def dispatch_share(preset: str, dtype: str, batch: int, seq: int, bare_step: flo
             "dispatch_share": round(dispatch * cfg.num_hidden_layers / bare_step, 4)}
 
 
-def same_compute(a: str, b: str) -> bool:
-    """Whether preset a is a mixture of experts and b a dense model of the same shape and active parameters."""
-    ca, cb = get_preset(a), get_preset(b)
+def same_compute(ca: ModelConfig, cb: ModelConfig) -> bool:
+    """Whether model a is a mixture of experts and b a dense model of the same shape and active parameters."""
     return (ca.moe and not cb.moe and (ca.hidden_size, ca.num_hidden_layers) == (cb.hidden_size, cb.num_hidden_layers)
             and abs(ca.num_parameters(active=True) / cb.num_parameters() - 1) < 0.01)
 
@@ -198,12 +211,13 @@ def timing_compute() -> Iterator[list[float]]:
             setattr(cls, name, fn)
 
 
-def loop_metrics(preset: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int, repeats: int,
-                 out: Path, data: list[str], device: torch.device, optimizer: str = "adamw") -> dict:
+def loop_metrics(model_args: list[str], name: str, dtype: str, compile_model: bool, batch: int, seq: int, steps: int,
+                 repeats: int, out: Path, data: list[str], device: torch.device, optimizer: str = "adamw") -> dict:
     """The fastest logged window of `steps` steps of a real train_pretrain.py run, after one warm-up window,
-    with the share of its time spent outside compute (on CPU; None on CUDA, see timing_compute)."""
-    run = f"{preset}-{dtype}-{'compile' if compile_model else 'eager'}"
-    argv = [*data, "--preset", preset, "--dtype", dtype, "--batch_size", str(batch), "--max_seq_len", str(seq),
+    with the share of its time spent outside compute (on CPU; None on CUDA, see timing_compute). `model_args`
+    name the model: --preset P, or --config RECIPE."""
+    run = f"{name}-{dtype}-{'compile' if compile_model else 'eager'}-{optimizer}"
+    argv = [*model_args, *data, "--dtype", dtype, "--batch_size", str(batch), "--max_seq_len", str(seq),
             "--max_steps", str((1 + repeats) * steps), "--log_interval", str(steps), "--eval_interval", "1000000",
             "--save_interval", "1000000", "--no-checkpoints", "--out_dir", str(out), "--run_name", run, "--overwrite",
             "--optimizer", optimizer]
@@ -220,65 +234,100 @@ def loop_metrics(preset: str, dtype: str, compile_model: bool, batch: int, seq: 
     return {**records[best], "overhead_frac": round(max(0.0, overhead), 4)}
 
 
+def models(args: argparse.Namespace, seq: int) -> list[tuple[str, ModelConfig, list[str]]]:
+    """(name, config at context `seq`, the train_pretrain.py flags that build it) per preset, or for --recipe."""
+    if args.recipe:
+        config = parse_train_config("pretrain", ["--config", args.recipe, "--max_seq_len", str(seq)], None)
+        return [(Path(args.recipe).stem, new_model_config(config.model), ["--config", args.recipe])]
+    return [(preset, get_preset(preset, max_seq_len=seq,
+                                max_position_embeddings=max(seq, get_preset(preset).max_position_embeddings)),
+             ["--preset", preset]) for preset in args.presets]
+
+
+def dtypes(names: list[str], device: torch.device) -> list[tuple[str, str]]:
+    """(dtype, why) per --dtypes entry, auto resolved by the precision policy, each dtype once."""
+    chosen: dict[str, str] = {}
+    for name in names:
+        choice = choose_dtype(name, device)
+        chosen.setdefault(dtype_name(choice.dtype), choice.reason)
+    return list(chosen.items())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["tiny", "mini-30m", "minimind-26m"])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--recipe", default=None, help="measure a recipe's model, context and batch size instead "
+                                                  "(e.g. recipes/demo-pretrain.yaml)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "auto"],
+                   help="autocast dtypes; auto: the precision policy's for this device (default: float32 auto)")
     p.add_argument("--compile", choices=("off", "on", "both"), default="both")
-    p.add_argument("--batch_size", type=int, default=None, help="default: 8 on CPU, 32 on GPU")
-    p.add_argument("--max_seq_len", type=int, default=None, help="default: 256 on CPU, 512 on GPU")
+    p.add_argument("--batch_size", type=int, default=None, help="default: the recipe's; else 8 on CPU, 32 on GPU")
+    p.add_argument("--max_seq_len", type=int, default=None, help="default: the recipe's; else 256 on CPU, 512 on GPU")
     p.add_argument("--steps", type=int, default=None,
                    help="measured steps (default: enough to fill --min_seconds, at least 6)")
     p.add_argument("--min_seconds", type=float, default=3.0, help="default block length when --steps is unset")
     p.add_argument("--repeats", type=int, default=3, help="measured blocks per setting; the fastest is reported")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="the optimizer of both measurements (muon: its Newton-Schulz step included)")
-    p.add_argument("--data_path", default=None, help="corpus for the loop run (default: the bundled demo)")
+    p.add_argument("--optimizers", "--optimizer", nargs="+", choices=("adamw", "muon"), default=["adamw", "muon"],
+                   help="optimizers measured, each in both measurements (muon: its Newton-Schulz step included)")
+    p.add_argument("--data_path", default=None, help="corpus for the loop run (default: the recipe's or the demo)")
     p.add_argument("--cache_dir", default=None, help="its token cache (default: beside the corpus)")
     p.add_argument("--out", default=None, help="write the results JSON here")
     args = p.parse_args(argv)
     data = [f"--{k}={v}" for k in ("data_path", "cache_dir") if (v := getattr(args, k)) is not None]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
-    batch = args.batch_size or (32 if gpu else 8)
-    seq = args.max_seq_len or (512 if gpu else 256)
+    recipe = parse_train_config("pretrain", ["--config", args.recipe], None) if args.recipe else None
+    batch = args.batch_size or (recipe.optim.batch_size if recipe else 32 if gpu else 8)
+    seq = args.max_seq_len or (recipe.model.max_seq_len if recipe and recipe.model.max_seq_len else
+                               512 if gpu else 256)
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     peak = peak_flops(device)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in args.presets:
-            for dtype in args.dtypes:
-                if dtype == "bfloat16" and gpu and not torch.cuda.is_bf16_supported():
-                    continue
+        for name, cfg, model_args in models(args, seq):
+            for dtype, why in dtypes(args.dtypes, device):
                 for comp in compiles:
-                    if gpu:
-                        torch.cuda.reset_peak_memory_stats()
-                    else:
-                        reset_peak_rss()
-                    bare, n = bare_step_seconds(preset, dtype, comp, batch, seq, args.steps, args.min_seconds,
-                                                args.repeats, device, args.optimizer)
-                    loop = loop_metrics(preset, dtype, comp, batch, seq, n, args.repeats, Path(tmp), data, device,
-                                        args.optimizer)
-                    cfg = get_preset(preset)
-                    row = {"preset": preset, "dtype": dtype, "compile": comp, "optimizer": args.optimizer,
-                           "batch_size": batch, "seq_len": seq,
-                           "measured_steps": n, "bare_step_s": round(bare, 4), "loop_step_s": loop["step_time_s"],
-                           # on CUDA (async, a dedicated machine): the loop's step time against the bare step's
-                           "loop_overhead_frac": loop["overhead_frac"] if loop["overhead_frac"] is not None
-                           else round(max(0.0, 1 - bare / loop["step_time_s"]), 4),
-                           "data_wait_frac": loop["data_wait_frac"], "tokens_per_s": loop["tokens_per_s"]}
-                    if peak is not None:  # the loop's own MFU (what training gets) and the bare step's
-                        fpt = flops_per_token(cfg, seq)
-                        row["mfu"] = loop.get("mfu")
-                        row["bare_mfu"] = round(fpt * batch * seq / bare / peak, 4)
-                    row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if gpu else peak_rss_gb()
-                    if cfg.moe:
-                        row.update(dispatch_share(preset, dtype, batch, seq, bare, args.repeats, device))
-                    results.append(row)
-                    print(json.dumps(row), flush=True)
-    for row in results:  # MoE against dense at equal active parameters, same dtype and compile setting
-        dense = next((r for r in results if same_compute(row["preset"], r["preset"])
-                      and (r["dtype"], r["compile"]) == (row["dtype"], row["compile"])), None)
+                    for optimizer in args.optimizers:
+                        if gpu:
+                            torch.cuda.reset_peak_memory_stats()
+                        else:
+                            reset_peak_rss()
+                        bare, n, opt_s = bare_step_seconds(cfg, dtype, comp, batch, seq, args.steps, args.min_seconds,
+                                                           args.repeats, device, optimizer)
+                        loop = loop_metrics(model_args, name, dtype, comp, batch, seq, n, args.repeats, Path(tmp),
+                                            data, device, optimizer)
+                        row = {"preset": name, "dtype": dtype, "precision": why, "compile": comp,
+                               "optimizer": optimizer, "batch_size": batch, "seq_len": seq, "measured_steps": n,
+                               "bare_step_s": round(bare, 4), "loop_step_s": loop["step_time_s"],
+                               "optimizer_step_s": round(opt_s, 4), "optimizer_frac": round(opt_s / bare, 4),
+                               # on CUDA (async, a dedicated machine): the loop's step time against the bare step's
+                               "loop_overhead_frac": loop["overhead_frac"] if loop["overhead_frac"] is not None
+                               else round(max(0.0, 1 - bare / loop["step_time_s"]), 4),
+                               "data_wait_frac": loop["data_wait_frac"], "tokens_per_s": loop["tokens_per_s"]}
+                        if optimizer == "muon":
+                            row["newton_schulz_dtype"] = dtype_name(precision_policy(device).optimizer)
+                        if peak is not None:  # the loop's own MFU (what training gets) and the bare step's
+                            fpt = flops_per_token(cfg, seq)
+                            row["mfu"] = loop.get("mfu")
+                            row["bare_mfu"] = round(fpt * batch * seq / bare / peak, 4)
+                        row["peak_mem_gb"] = (round(torch.cuda.max_memory_allocated() / 2**30, 3) if gpu
+                                              else peak_rss_gb())
+                        if cfg.moe:
+                            row.update(dispatch_share(cfg, dtype, batch, seq, bare, args.repeats, device))
+                        results.append((cfg, row))
+                        print(json.dumps(row), flush=True)
+    for cfg, row in results:
+        same = [(c, r) for c, r in results if (r["dtype"], r["compile"]) == (row["dtype"], row["compile"])]
+        # Muon against AdamW on the same model and setting: what the default optimizer costs per step
+        adamw = next((r for c, r in same if r["preset"] == row["preset"] and r["optimizer"] == "adamw"), None)
+        if row["optimizer"] == "muon" and adamw is not None:
+            row["vs_adamw"] = {"bare_step_ratio": round(row["bare_step_s"] / adamw["bare_step_s"], 3),
+                               "loop_step_ratio": round(row["loop_step_s"] / adamw["loop_step_s"], 3)}
+            print(f"{row['preset']} ({row['dtype']}): Muon's step x{row['vs_adamw']['bare_step_ratio']} AdamW's "
+                  f"(loop x{row['vs_adamw']['loop_step_ratio']}); optimizer {row['optimizer_frac']:.0%} of the step "
+                  f"against {adamw['optimizer_frac']:.0%}", flush=True)
+        # MoE against dense at equal active parameters, same dtype, compile setting and optimizer
+        dense = next((r for c, r in same if same_compute(cfg, c) and r["optimizer"] == row["optimizer"]), None)
         if dense is not None:
             row["vs_dense"] = {"preset": dense["preset"], "bare_step_ratio": round(row["bare_step_s"] /
                                                                                    dense["bare_step_s"], 3),
@@ -287,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{row['vs_dense']['bare_step_ratio']}, tokens/s x{row['vs_dense']['tokens_per_s_ratio']}",
                   flush=True)
     report = {"device": torch.cuda.get_device_name() if gpu else f"cpu: {cpu_model()}",
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}
+              "precision": precision_policy(device).reason, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "results": [row for _, row in results]}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -97,7 +97,7 @@ if any("cudnn" in k for k in training + decode):
     raise SystemExit("cuDNN attention was dispatched despite the policy")
 PY
 check throughput 240 "$PY" bench/bench_train.py --presets minimind-26m minimind-26m-moe minimind-104m --dtypes bfloat16 \
-    --compile off --min_seconds 3 --out "$OUT_DIR/throughput.json"
+    --compile off --optimizers adamw --min_seconds 3 --out "$OUT_DIR/throughput.json"
 check generation 90 "$PY" bench/bench_generate.py --preset minimind-26m --new_tokens 128 \
     --out "$OUT_DIR/generation.json"
 

@@ -29,7 +29,8 @@ def bench_out(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     bench_module("bench_train").main(
         ["--presets", "tiny", "--dtypes", "float32", "--compile", "off", "--steps", "3", "--batch_size", "2",
-         "--max_seq_len", "32", "--data_path", str(corpus["pretrain"]), "--cache_dir", str(corpus["cache"]),
+         "--max_seq_len", "32", "--optimizers", "adamw", "--data_path", str(corpus["pretrain"]),
+         "--cache_dir", str(corpus["cache"]),
          "--out", str(out / "throughput.json")])
     bench_module("bench_generate").main(["--preset", "tiny", "--prompt_len", "8", "--new_tokens", "6", "--batch", "2",
                                          "--repeats", "1", "--device", "cpu", "--out", str(out / "generation.json")])
@@ -44,17 +45,30 @@ def test_bench_train_measures_bare_step_and_loop(bench_out):
     assert row["bare_step_s"] > 0 and row["loop_step_s"] > 0 and 0 <= row["loop_overhead_frac"] < 1
     assert row["tokens_per_s"] > 0 and 0 <= row["data_wait_frac"] < 1 and row["peak_mem_gb"] > 0
     assert "mfu" not in row  # no known peak on CPU
-    assert row["optimizer"] == "adamw"
+    assert row["optimizer"] == "adamw" and 0 < row["optimizer_step_s"] < row["bare_step_s"]
+    assert row["optimizer_frac"] == pytest.approx(row["optimizer_step_s"] / row["bare_step_s"], abs=1e-3)
+    assert row["precision"] == "float32 (--dtype float32; cpu: " + row["precision"].split("cpu: ", 1)[1]
 
 
-def test_bench_train_measures_muon_steps(corpus, tmp_path):
+def test_bench_train_puts_muon_beside_adamw_on_a_recipe(corpus, tmp_path):
+    """--recipe measures a recipe's model; --dtypes auto is the policy's dtype; Muon's rows get their ratio to
+    AdamW's and the optimizer's share of the step."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model:\n  preset: tiny\n  hidden_size: 32\n  num_hidden_layers: 1\n  max_seq_len: 32\n"
+                      "  qk_norm: true\noptim:\n  batch_size: 2\n")
     out = tmp_path / "muon.json"
     bench_module("bench_train").main(
-        ["--presets", "tiny", "--dtypes", "float32", "--compile", "off", "--steps", "2", "--repeats", "1",
-         "--batch_size", "2", "--max_seq_len", "32", "--optimizer", "muon", "--data_path", str(corpus["pretrain"]),
-         "--cache_dir", str(corpus["cache"]), "--out", str(out)])
-    [row] = json.loads(out.read_text())["results"]
-    assert row["optimizer"] == "muon" and row["bare_step_s"] > 0 and row["loop_step_s"] > 0
+        ["--recipe", str(recipe), "--dtypes", "auto", "--compile", "off", "--steps", "2", "--repeats", "1",
+         "--data_path", str(corpus["pretrain"]), "--cache_dir", str(corpus["cache"]), "--out", str(out)])
+    report = json.loads(out.read_text())
+    adamw, muon = report["results"]
+    expected = "bfloat16" if report["precision"].startswith("cpu with native bf16") else "float32"
+    for row in (adamw, muon):
+        assert (row["preset"], row["batch_size"], row["seq_len"], row["dtype"]) == ("recipe", 2, 32, expected)
+        assert row["bare_step_s"] > 0 and row["loop_step_s"] > 0 and 0 < row["optimizer_frac"] < 1
+    assert (adamw["optimizer"], muon["optimizer"], muon["newton_schulz_dtype"]) == ("adamw", "muon", expected)
+    assert muon["vs_adamw"]["bare_step_ratio"] == pytest.approx(muon["bare_step_s"] / adamw["bare_step_s"], rel=0.01)
+    assert "vs_adamw" not in adamw
 
 
 def test_bench_generate_checks_identical_outputs_then_times(bench_out):
