@@ -5,6 +5,9 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 DEMO_PRETRAIN_STEPS ?= 450
 DEMO_SFT_STEPS ?= 150
+# The defaults adapt to the machine (scripts/demo_plan.py: fewer steps where a CPU trains in fp32); steps given on
+# the command line or in the environment are trained as given.
+DEMO_PLAN_FLAGS := $(if $(and $(filter file,$(origin DEMO_PRETRAIN_STEPS)),$(filter file,$(origin DEMO_SFT_STEPS))),,--as-given)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
 .PHONY: install install-dev test test-fast lint demo demo-post demo-moe bench
@@ -33,7 +36,8 @@ test-fast: install-dev
 lint: install-dev
 	$(PYTHON) -m ruff check .
 
-# The end-to-end pipeline on the bundled corpus, sized for a 2-core CPU in under 10 minutes:
+# The end-to-end pipeline on the bundled corpus, sized for a 2-core CPU in under 10 minutes (with fewer steps on
+# CPUs that train in fp32, said in the output):
 # tokenizer check -> short pretrain -> short SFT -> samples, perplexity, a chat answer, loss plots.
 # The training settings are the recipes in recipes/demo-*.yaml.
 DEMO_OUT ?= out
@@ -41,10 +45,11 @@ DEMO_SAMPLING := --temperature 0.8 --top_p 0.9 --repetition_penalty 1.2 --seed 0
 demo: install
 	$(PYTHON) train_tokenizer.py --data_path dataset/demo/pretrain_demo.jsonl dataset/demo/sft_demo.jsonl \
 		--out_dir $(DEMO_OUT)/demo-tokenizer
+	$(PYTHON) scripts/demo_plan.py $(DEMO_PRETRAIN_STEPS) $(DEMO_SFT_STEPS) $(DEMO_PLAN_FLAGS) > $(DEMO_OUT)/demo-steps.txt
 	$(PYTHON) train_pretrain.py --config recipes/demo-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite \
-		--max_steps $(DEMO_PRETRAIN_STEPS)
+		--max_steps $$(cut -d' ' -f1 $(DEMO_OUT)/demo-steps.txt)
 	$(PYTHON) train_full_sft.py --config recipes/demo-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
-		--init_from $(DEMO_OUT)/demo-pretrain --max_steps $(DEMO_SFT_STEPS)
+		--init_from $(DEMO_OUT)/demo-pretrain --max_steps $$(cut -d' ' -f2 $(DEMO_OUT)/demo-steps.txt)
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain $(DEMO_SAMPLING) --max_new_tokens 60 \
 		--prompt "It is a truth universally acknowledged" --prompt "床前明月光，"

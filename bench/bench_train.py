@@ -16,8 +16,8 @@ where it is native, fp32 on CPUs without it, where a bf16 row would only time em
 It reports both step times, the loop overhead (the
 share of the loop's step time spent outside forward/backward/optimizer: measured inside the same run on CPU,
 1 - bare / loop step time on CUDA; target <= 3%), the data-wait fraction, effective (non-padding) tokens/s,
-MFU where the device's peak is known (the loop's, and the bare step's as bare_mfu), and peak memory (CUDA
-allocations, or the process's peak RSS during that setting).
+MFU where the device's peak is known (the loop's, and the bare step's as bare_mfu), and the loop run's peak
+memory (CUDA allocations, or the process's peak RSS).
 
 Mixture-of-experts presets also report the dispatch share: the time one MoE layer's forward + backward spends
 outside its experts' matmuls (routing, sorting, gathering and combining the tokens), times the layers, over the
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import platform
@@ -93,48 +94,68 @@ def seconds_per_call(fn, n: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bare_step_seconds(cfg: ModelConfig, dtype: str, compile_model: bool, batch: int, seq: int, steps: int | None,
-                      min_seconds: float, repeats: int, device: torch.device,
-                      optimizer: str = "adamw") -> tuple[float, int, float]:
-    """Time per forward + backward + optimizer step on one fixed batch, the steps per measured block, and the
-    time of the optimizer step alone (on the last step's gradients, the same number of calls).
+class BareStep:
+    """Forward + loss + backward + clip + optimizer step on one fixed batch, for one model and optimizer."""
 
-    Each of `repeats` blocks of `steps` steps gives a mean; the fastest block is reported, the one least
-    disturbed by the rest of the machine (the loop is measured the same way, so the two compare like for
-    like). With `steps` None a block lasts about `min_seconds` (at least 6 steps)."""
-    torch.manual_seed(0)
-    model = PocketLM(cfg).to(device).train()
-    opt = build_optimizer(model, optimizer, 1e-4, 0.1, (0.9, 0.95), 0.9, device)
-    precision = Precision(device, DTYPES[dtype])
-    fwd = torch.compile(model) if compile_model else model
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
-    y = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    def __init__(self, cfg: ModelConfig, dtype: str, compile_model: bool, batch: int, seq: int,
+                 device: torch.device, optimizer: str) -> None:
+        torch.manual_seed(0)  # every optimizer starts from the same weights
+        self.model = PocketLM(cfg).to(device).train()
+        self.opt = build_optimizer(self.model, optimizer, 1e-4, 0.1, (0.9, 0.95), 0.9, device)
+        self.precision, self.device = Precision(device, DTYPES[dtype]), device
+        self.fwd = torch.compile(self.model) if compile_model else self.model
+        self.x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+        self.y = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
 
-    def step() -> None:
-        with precision.autocast():
-            logits = fwd(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") / y.numel()
-        precision.scaler.scale(loss).backward()
-        precision.scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        precision.scaler.step(opt)
-        precision.scaler.update()
-        opt.zero_grad(set_to_none=True)
+    def backward(self) -> None:
+        with self.precision.autocast():
+            logits = self.fwd(self.x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), self.y.flatten(), reduction="sum") / self.y.numel()
+        self.precision.scaler.scale(loss).backward()
 
-    def timed(n: int) -> float:
-        return seconds_per_call(step, n, device)
+    def step(self) -> None:
+        self.backward()
+        scaler = self.precision.scaler
+        scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        scaler.step(self.opt)
+        scaler.update()
+        self.opt.zero_grad(set_to_none=True)
 
-    timed(3)  # warm-up (and compilation)
+    def seconds(self, n: int) -> float:
+        """Mean seconds of n whole steps."""
+        return seconds_per_call(self.step, n, self.device)
+
+    def optimizer_seconds(self, n: int) -> float:
+        """Mean seconds of n optimizer steps alone, on gradients left by one more backward (the weights drift a
+        little with each call; the arithmetic per call is the same)."""
+        self.backward()
+        seconds = seconds_per_call(self.opt.step, n, self.device)
+        self.opt.zero_grad(set_to_none=True)
+        return seconds
+
+
+def bare_steps(cfg: ModelConfig, dtype: str, compile_model: bool, batch: int, seq: int, steps: int | None,
+               min_seconds: float, repeats: int, device: torch.device,
+               optimizers: list[str]) -> tuple[int, dict[str, tuple[float, float]]]:
+    """The steps per measured block, and per optimizer the time of a bare step and of its optimizer step alone.
+
+    Each of `repeats` rounds times one block of `steps` steps per optimizer, the optimizers taking turns, so a
+    machine whose speed drifts (a shared 2-core VM moves by 5-25% within minutes) slows them alike; the fastest
+    block of each is reported, the one least disturbed (the loop is measured the same way, so the two compare
+    like for like). With `steps` None a block lasts about `min_seconds` (at least 6 steps)."""
+    runs = {name: BareStep(cfg, dtype, compile_model, batch, seq, device, name) for name in optimizers}
+    for run in runs.values():
+        run.seconds(3)  # warm-up (and compilation)
     if steps is None:
-        steps = max(6, min(500, math.ceil(min_seconds / timed(2))))
-    bare = min(timed(steps) for _ in range(repeats))
-    # the optimizer alone: one more backward leaves gradients in place, then only opt.step() is timed (the
-    # weights drift a little with each call; the arithmetic per call is the same)
-    with precision.autocast():
-        logits = fwd(x)
-    F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
-    optimizer_s = min(seconds_per_call(opt.step, steps, device) for _ in range(repeats))
-    return bare, steps, optimizer_s
+        steps = max(6, min(500, math.ceil(min_seconds / next(iter(runs.values())).seconds(2))))
+    bare = {name: [] for name in runs}
+    alone = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            bare[name].append(run.seconds(steps))
+            alone[name].append(run.optimizer_seconds(steps))
+    return steps, {name: (min(bare[name]), min(alone[name])) for name in runs}
 
 
 def dispatch_share(cfg: ModelConfig, dtype: str, batch: int, seq: int, bare_step: float, repeats: int,
@@ -287,13 +308,14 @@ def main(argv: list[str] | None = None) -> None:
         for name, cfg, model_args in models(args, seq):
             for dtype, why in dtypes(args.dtypes, device):
                 for comp in compiles:
-                    for optimizer in args.optimizers:
-                        if gpu:
+                    n, timings = bare_steps(cfg, dtype, comp, batch, seq, args.steps, args.min_seconds, args.repeats,
+                                            device, args.optimizers)
+                    gc.collect()  # the bare steps' models and optimizers are gone before the loop runs
+                    for optimizer, (bare, opt_s) in timings.items():
+                        if gpu:  # the peak of this loop run
                             torch.cuda.reset_peak_memory_stats()
                         else:
                             reset_peak_rss()
-                        bare, n, opt_s = bare_step_seconds(cfg, dtype, comp, batch, seq, args.steps, args.min_seconds,
-                                                           args.repeats, device, optimizer)
                         loop = loop_metrics(model_args, name, dtype, comp, batch, seq, n, args.repeats, Path(tmp),
                                             data, device, optimizer)
                         row = {"preset": name, "dtype": dtype, "precision": why, "compile": comp,

@@ -34,7 +34,8 @@ class StepOptions:
     batch_size: int = option(32, "sequences per micro-batch", at_least=1)
     accumulation_steps: int = option(1, "micro-batches per optimizer step", at_least=1)
     dtype: Literal["float32", "bfloat16", "float16"] = option(
-        "bfloat16", "autocast dtype (the trainers' --dtype auto is bfloat16 on GPUs and on CPUs with native bf16)")
+        "bfloat16", "autocast dtype (the trainers' --dtype auto: bfloat16 on Ampere+ GPUs and CPUs with native "
+                    "bf16, float16 on older GPUs, else float32)")
     grad_checkpointing: bool = option(False, "recompute blocks in backward: keep only each block's input")
     qk_norm: bool | None = option(None, "RMSNorm of each head's queries and keys (it saves more activations)")
     optimizer: Literal["adamw", "muon"] = option("adamw", "whose state is counted: AdamW on every weight, or Muon "

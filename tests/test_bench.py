@@ -46,7 +46,7 @@ def test_bench_train_measures_bare_step_and_loop(bench_out):
     assert row["tokens_per_s"] > 0 and 0 <= row["data_wait_frac"] < 1 and row["peak_mem_gb"] > 0
     assert "mfu" not in row  # no known peak on CPU
     assert row["optimizer"] == "adamw" and 0 < row["optimizer_step_s"] < row["bare_step_s"]
-    assert row["optimizer_frac"] == pytest.approx(row["optimizer_step_s"] / row["bare_step_s"], abs=1e-3)
+    assert row["optimizer_frac"] == pytest.approx(row["optimizer_step_s"] / row["bare_step_s"], rel=0.05)  # rounding
     assert row["precision"] == "float32 (--dtype float32; cpu: " + row["precision"].split("cpu: ", 1)[1]
 
 
