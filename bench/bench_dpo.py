@@ -41,7 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.device import choose_dtype, synchronize  # noqa: E402
+from common.device import choose_dtype, parse_device, synchronize  # noqa: E402
 from dataset.config import DataConfig, training_data  # noqa: E402
 from dataset.preference import PreferenceDataset  # noqa: E402
 from dataset.tokenizer import Tokenizer  # noqa: E402
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     """Measure both variants and the one-off reference pass; the report as a JSON-ready dict."""
     # a shared machine's load skews step times: record what it was when the measurement began
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    device = torch.device(args.device)
+    device = parse_device(args.device)
     dtype = choose_dtype(args.dtype, device).dtype
     precision = Precision(device, dtype)
     torch.manual_seed(args.seed)
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", help="autocast dtype; auto: bf16 where the CPU has it natively")
     p.add_argument("--learning_rate", type=float, default=5e-6, help="train_dpo.py's default")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU) | cpu | cuda[:N] | mps")
     p.add_argument("--data_path", default=str(DEMO_PAIRS), help="preference pairs (default: the bundled demo)")
     p.add_argument("--cache_dir", default=None, help="its token cache (default: beside the data)")
     p.add_argument("--num_workers", type=int, default=None, help="tokenization processes (default: CPUs, <= 8)")

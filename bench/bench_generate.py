@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.device import parse_device  # noqa: E402
 from model import PocketLM, generate, get_preset, save_model  # noqa: E402
 from model.convert import export_hf  # noqa: E402
 
@@ -82,10 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU) | cpu | cuda[:N] | mps")
     p.add_argument("--out", default=None, help="write the result JSON here")
     args = p.parse_args(argv)
-    result = run(args.preset, args.prompt_len, args.new_tokens, args.batch, args.repeats, args.device)
+    device = str(parse_device(args.device))
+    result = run(args.preset, args.prompt_len, args.new_tokens, args.batch, args.repeats, device)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

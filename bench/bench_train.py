@@ -13,9 +13,9 @@ times over AdamW's in the same setting (the README's goals: <= 1.3 on the demo r
 at 8 x 512 tokens, on any CPU). --recipe takes the model shape, context and batch size of a training recipe
 instead of --presets. --dtypes auto is the precision policy's choice for this device (common/device.py): bf16
 where it is native, fp32 on CPUs without it, where a bf16 row would only time emulation; each row says why.
-It reports both step times, the loop overhead (the
-share of the loop's step time spent outside forward/backward/optimizer: measured inside the same run on CPU,
-1 - bare / loop step time on CUDA; target <= 3%), the data-wait fraction, effective (non-padding) tokens/s,
+It reports both step times, the loop overhead (the share of the loop's step time spent outside
+forward/backward/optimizer: measured inside the same run on CPU, 1 - bare / loop step time on CUDA; target
+<= 3%), the data-wait fraction, effective (non-padding) tokens/s,
 MFU where the device's peak is known (the loop's, and the bare step's as bare_mfu), and the loop run's peak
 memory (CUDA allocations, or the process's peak RSS).
 
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
-from common.device import DTYPES, choose_dtype, dtype_name, precision_policy, synchronize  # noqa: E402
+from common.device import DTYPES, choose_dtype, dtype_name, parse_device, precision_policy, synchronize  # noqa: E402
 from model import ModelConfig, PocketLM  # noqa: E402
 from model.config import get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
@@ -292,10 +292,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="optimizers measured, each in both measurements (muon: its Newton-Schulz step included)")
     p.add_argument("--data_path", default=None, help="corpus for the loop run (default: the recipe's or the demo)")
     p.add_argument("--cache_dir", default=None, help="its token cache (default: beside the corpus)")
+    p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU) | cpu | cuda[:N] | mps")
     p.add_argument("--out", default=None, help="write the results JSON here")
     args = p.parse_args(argv)
     data = [f"--{k}={v}" for k in ("data_path", "cache_dir") if (v := getattr(args, k)) is not None]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = parse_device(args.device)
     gpu = device.type == "cuda"
     recipe = parse_train_config("pretrain", ["--config", args.recipe], None) if args.recipe else None
     batch = args.batch_size or (recipe.optim.batch_size if recipe else 32 if gpu else 8)
