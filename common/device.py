@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -130,19 +129,7 @@ def cpu_flags() -> set[str] | None:
 
 def bf16_speedup(n: int = 256, reps: int = 3) -> float:
     """fp32 matmul time / bf16 matmul time on the CPU (best of `reps`): ~2-20 where bf16 is native, ~0.01 where
-    it is emulated. A 256x256 product takes well under a millisecond natively, ~40 ms emulated.
-
-    Measured on a thread of its own: oneDNN's AMX kernels release the thread's tile configuration when they
-    finish, and a library that configured the tiles on the caller's thread before (llama.cpp's AMX matmuls)
-    would then fault on its next tile instruction."""
-    result: list[float] = []
-    worker = threading.Thread(target=lambda: result.append(_bf16_speedup(n, reps)), name="bf16-probe")
-    worker.start()
-    worker.join()
-    return result[0]
-
-
-def _bf16_speedup(n: int, reps: int) -> float:
+    it is emulated. A 256x256 product takes well under a millisecond natively, ~40 ms emulated."""
     a, b = torch.randn(n, n), torch.randn(n, n)
 
     def best(x: torch.Tensor, y: torch.Tensor) -> float:
