@@ -113,7 +113,9 @@ def test_accumulation_matches_a_bigger_batch(corpus, tmp_path):
     assert train_pretrain.main(flags(corpus, tmp_path, "acc", batch_size=4, accumulation_steps=2, **common)) == 0
     a, b = weights(tmp_path / "big"), weights(tmp_path / "acc")
     for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
+        # 2e-5: kernels held to AVX2 sum in another order, and AdamW's normalised update turns that into 1.02e-5 at
+        # one weight of 409,600 (a lost micro-batch moves weights by ~the learning rate, 1e-3)
+        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=0)
     la = [m["loss"] for m in read_metrics(tmp_path / "big")]
     lb = [m["loss"] for m in read_metrics(tmp_path / "acc")]
     assert la == pytest.approx(lb, abs=1e-5)
