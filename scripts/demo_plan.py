@@ -8,7 +8,7 @@ A CPU without native bf16 (AMD before Zen 4, Intel before Cooper Lake and Sapphi
 (common/device.py), where a demo pretraining step takes 1.9x as long: 1.62 s against 0.86 s, measured on a
 2-core Xeon as it is and with its kernels held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 ATEN_CPU_CAPABILITY=avx2), where `make demo` took 591 s with all the steps and 592 s with half of them (the
-tokenizer, data preparation and evaluation take ~3.5 minutes there). 40% of the steps leaves a margin.
+tokenizer, data preparation and evaluation take ~3.5 minutes there); with 40% of them, 479 s.
 """
 from __future__ import annotations
 
