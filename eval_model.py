@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 import torch
 
 from common.config import option, parse_config
-from common.device import choose_dtype
+from common.device import choose_dtype, dtype_name
 from common.errors import ConfigError, PocketLMError
 from dataset.jsonl import SkipReport, check_path, read_records
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
@@ -77,7 +77,7 @@ class Evaluator:
                    f"{cfg.num_experts_per_tok}" + (f" + {cfg.num_shared_experts} shared" if cfg.num_shared_experts
                                                    else "")) if cfg.moe else ""
         print(f"loaded {model_dir} (stage {self.stage}, {self.model.num_parameters() / 1e6:.2f}M params{experts}, "
-              f"{device}, {str(dtype).removeprefix('torch.')})", file=sys.stderr)
+              f"{device}, {dtype_name(dtype)})", file=sys.stderr)
 
     def complete(self, prompts: list[list[int]], stream: bool = False) -> list[str]:
         """Generate a completion per prompt; with stream=True (one prompt) print it as it is produced."""

@@ -19,6 +19,7 @@ import socket
 import sys
 
 from common.config import parse_config
+from common.device import dtype_name
 from common.errors import PocketLMError
 from model.inference import resolve_device
 from serving.config import ServeConfig, is_loopback
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = "/v1/chat/completions" if service.stage == "sft" else "/v1/completions"
     print(f"serving {service.name} ({service.model_dir}, stage {service.stage}, "
           f"{engine.model.num_parameters() / 1e6:.2f}M params, {engine.device}, "
-          f"{str(engine.dtype).removeprefix('torch.')}, context {service.context}/{cfg.max_position_embeddings}, "
+          f"{dtype_name(engine.dtype)}, context {service.context}/{cfg.max_position_embeddings}, "
           f"max_batch_size {engine.max_batch_size}) on http://{host}:{port}{endpoint}"
           + (f"; chat page: http://{host}:{port}/" if service.stage == "sft" else ""), file=sys.stderr, flush=True)
     app = create_app(service, api_key=api_key, max_body_bytes=server.max_body_bytes)

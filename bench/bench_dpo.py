@@ -41,7 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.device import choose_dtype, parse_device, synchronize  # noqa: E402
+from common.device import choose_dtype, dtype_name, parse_device, synchronize  # noqa: E402
 from dataset.config import DataConfig, training_data  # noqa: E402
 from dataset.preference import PreferenceDataset  # noqa: E402
 from dataset.tokenizer import Tokenizer  # noqa: E402
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {cpu_model()}",
         "threads": torch.get_num_threads(), "load_avg_1m_at_start": load, "torch": torch.__version__,
-        "dtype": str(dtype).removeprefix("torch."), "dtype_requested": args.dtype,
+        "dtype": dtype_name(dtype), "dtype_requested": args.dtype,
         "model": {"preset": args.preset, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
                   "vocab_size": cfg.vocab_size, "parameters": cfg.num_parameters()},
         "data": {"path": str(args.data_path), "train_pairs": ds.num_examples, "max_seq_len": args.max_seq_len},

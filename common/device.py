@@ -61,6 +61,7 @@ FAST_FP16_BEFORE_VOLTA = ((5, 3), (6, 0), (6, 2))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", the spelling of --dtype and of every log and config file."""
     return str(dtype).removeprefix("torch.")
 
 

@@ -59,7 +59,7 @@ from typing import Callable
 
 import torch
 
-from common.device import DTYPES
+from common.device import DTYPES, dtype_name
 from common.errors import TokenizerError
 
 from .config import ConfigError, ModelConfig, get_preset
@@ -305,7 +305,7 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict[str, int]
     kind = hf_model_type(cfg, router_bias)
     eos = [token_ids[t] for t in ("<|im_end|>", "<|endoftext|>") if t in token_ids]
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_word_embeddings,
-              "initializer_range": cfg.initializer_range, "torch_dtype": str(dtype).removeprefix("torch."),
+              "initializer_range": cfg.initializer_range, "torch_dtype": dtype_name(dtype),
               "bos_token_id": token_ids.get("<|im_start|>"), "eos_token_id": eos or None,
               "pad_token_id": token_ids.get("<|endoftext|>")}
     if kind == "llama":

@@ -144,7 +144,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from common.device import synchronize
+from common.device import dtype_name, synchronize
 from common.errors import ConfigError
 
 from .config import ModelConfig
@@ -410,7 +410,7 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
     if optimizer not in ("adamw", "muon"):
         raise ConfigError(f"optimizer {optimizer!r}; the estimate knows adamw and muon")
     if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
+        dtype = dtype_name(dtype)
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
     for flag, value in (("batch_size", batch_size), ("seq_len", seq_len), ("accumulation_steps", accumulation_steps)):
