@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -52,7 +53,7 @@ from model import ModelConfig, PocketLM  # noqa: E402
 from model.config import get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
-from trainer_utils.config import parse_train_config  # noqa: E402
+from trainer_utils.config import TrainConfig, parse_train_config  # noqa: E402
 from trainer_utils.loop import Trainer, new_model_config  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
@@ -255,11 +256,11 @@ def loop_metrics(model_args: list[str], name: str, dtype: str, compile_model: bo
     return {**records[best], "overhead_frac": round(max(0.0, overhead), 4)}
 
 
-def models(args: argparse.Namespace, seq: int) -> list[tuple[str, ModelConfig, list[str]]]:
+def models(args: argparse.Namespace, recipe: TrainConfig | None, seq: int) -> list[tuple[str, ModelConfig, list[str]]]:
     """(name, config at context `seq`, the train_pretrain.py flags that build it) per preset, or for --recipe."""
-    if args.recipe:
-        config = parse_train_config("pretrain", ["--config", args.recipe, "--max_seq_len", str(seq)], None)
-        return [(Path(args.recipe).stem, new_model_config(config.model), ["--config", args.recipe])]
+    if recipe is not None:
+        options = dataclasses.replace(recipe.model, max_seq_len=seq)
+        return [(Path(args.recipe).stem, new_model_config(options), ["--config", args.recipe])]
     return [(preset, get_preset(preset, max_seq_len=seq,
                                 max_position_embeddings=max(seq, get_preset(preset).max_position_embeddings)),
              ["--preset", preset]) for preset in args.presets]
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = peak_flops(device)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg, model_args in models(args, seq):
+        for name, cfg, model_args in models(args, recipe, seq):
             for dtype, why in dtypes(args.dtypes, device):
                 for comp in compiles:
                     n, timings = bare_steps(cfg, dtype, comp, batch, seq, args.steps, args.min_seconds, args.repeats,

@@ -14,9 +14,9 @@ torch.optim.Muon loads here and resumes exactly; this code does not need torch.o
 before 2.9 lacks.
 
 Batching equal-shaped matrices into one bmm per shape was measured and not adopted: on a 2-core AMX Xeon it
-was slower for the 26M model in bf16 (0.58 s against 0.40 s per step; batched bf16 matmuls take a slower
-kernel) and even in fp32, where the iteration is compute-bound (~280 GFLOP per 26M step at the matmul peak)
-and batching saves nothing (README "Muon").
+was no faster for the 26M model in bf16 (0.41 s against 0.39 s per step) and would no longer match
+torch.optim.Muon bit for bit, and in fp32 the iteration is compute-bound (~280 GFLOP per 26M step at the
+matmul peak), where batching saves nothing (README "Precision and devices").
 """
 from __future__ import annotations
 
