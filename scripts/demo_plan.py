@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common.device import choose_dtype, parse_device  # noqa: E402
+from common.device import parse_device, precision_policy  # noqa: E402
 
 # the share of the recipes' steps an fp32 CPU trains (pretraining's cosine schedule still runs to its end)
 FP32_SHARE = 0.4
@@ -28,11 +28,11 @@ FP32_SHARE = 0.4
 def plan(pretrain_steps: int, sft_steps: int) -> tuple[int, int, str | None]:
     """The steps to train, and the note to print when they differ from the recipes'."""
     device = parse_device("auto")
-    choice = choose_dtype("auto", device)
-    if device.type != "cpu" or choice.dtype != torch.float32:
+    policy = precision_policy(device)
+    if device.type != "cpu" or policy.train != torch.float32:
         return pretrain_steps, sft_steps, None
     short = max(1, round(pretrain_steps * FP32_SHARE)), max(1, round(sft_steps * FP32_SHARE))
-    return (*short, f"note: {choice.reason}: the demo trains {short[0]} pretraining and {short[1]} SFT steps "
+    return (*short, f"note: {policy.reason}: the demo trains {short[0]} pretraining and {short[1]} SFT steps "
                     f"instead of {pretrain_steps} and {sft_steps}, to stay within 10 minutes on 2 cores "
                     "(make demo DEMO_PRETRAIN_STEPS=N DEMO_SFT_STEPS=M trains those; the losses will be higher "
                     "than the README's)")
