@@ -22,7 +22,7 @@ import operator
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Sequence, TypeVar
+from typing import Any, Literal, Protocol, Sequence, TypeVar
 
 from .errors import ConfigError
 
@@ -30,21 +30,30 @@ RESOLVED_KEY = "resolved"
 C = TypeVar("C")
 
 
+class Scope(Protocol):
+    """What an entry point is, as far as its settings go: a name for messages, and the features it has. A
+    setting declared with `feature="x"` exists only in entry points whose features include "x" (a training
+    stage is a Scope: trainer_utils/stages)."""
+
+    name: str
+    features: frozenset[str]
+
+
 def option(default: Any, help: str, *, choices: Sequence[Any] | None = None, at_least: float | None = None,
            above: float | None = None, below: float | None = None, at_most: float | None = None,
-           stages: tuple[str, ...] | None = None,
+           feature: str | None = None,
            persist: bool = True, hidden: bool = False, aliases: tuple[str, ...] = (),
            metavar: str | None = None, several: bool = False) -> Any:
     """A setting: its default, its help line and its checks.
 
     at_least / above / below / at_most: numeric bounds checked after parsing (None values pass).
-    stages: the entry points (e.g. ("sft",)) that have this flag; the others reject it.
+    feature: the setting exists only for entry points (Scopes) with this feature (e.g. "lora"); others reject it.
     persist=False: an action of one invocation (--resume), left out of the written config.
     several=True (list settings): one flag takes several values (--data_path a b); otherwise it repeats
     (--prompt a --prompt b).
     """
     meta = dict(help=help, choices=choices, at_least=at_least, above=above, below=below, at_most=at_most,
-                stages=stages, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar, several=several)
+                feature=feature, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar, several=several)
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -69,8 +78,8 @@ class Setting:
     def meta(self) -> Any:
         return self.field.metadata
 
-    def applies_to(self, stage: str | None) -> bool:
-        return stage is None or self.meta["stages"] is None or stage in self.meta["stages"]
+    def applies_to(self, scope: Scope | None) -> bool:
+        return scope is None or self.meta["feature"] is None or self.meta["feature"] in scope.features
 
     def coerce(self, value: Any, where: str) -> Any:
         """`value` (from a file) as this setting's type, or ConfigError naming where it came from."""
@@ -153,7 +162,7 @@ def _default(s: Setting, defaults: dict[str, Any]) -> Any:
     return s.field.default
 
 
-def build_parser(config_cls: type, description: str | None = None, stage: str | None = None,
+def build_parser(config_cls: type, description: str | None = None, scope: Scope | None = None,
                  defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     """An argparse parser with `--config` and one flag per setting, grouped as the config is.
 
@@ -166,7 +175,7 @@ def build_parser(config_cls: type, description: str | None = None, stage: str | 
                                                     "flags given here win over it")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for s in settings(config_cls).values():
-        if not s.applies_to(stage):
+        if not s.applies_to(scope):
             continue
         if s.group not in groups:
             group_cls = typing.get_type_hints(config_cls)[s.group]
@@ -196,7 +205,7 @@ def build_parser(config_cls: type, description: str | None = None, stage: str | 
     return p
 
 
-def read_config_file(config_cls: type, path: str | Path, stage: str | None = None) -> dict[str, Any]:
+def read_config_file(config_cls: type, path: str | Path, scope: Scope | None = None) -> dict[str, Any]:
     """The settings in a YAML/JSON file as {name: value}, checked against the config class."""
     path = Path(path)
     try:
@@ -227,8 +236,9 @@ def read_config_file(config_cls: type, path: str | Path, stage: str | None = Non
             raise ConfigError(f"{path}: unknown setting {name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
         if group is not None and s.group != group:
             raise ConfigError(f"{path}: {name} belongs to group {s.group!r}, not {group!r}")
-        if not s.applies_to(stage):
-            raise ConfigError(f"{path}: {name} is a setting of {', '.join(s.meta['stages'])} runs, not of {stage}")
+        if not s.applies_to(scope):
+            raise ConfigError(f"{path}: {name} is a {s.meta['feature']} setting, which {scope.name} runs do not "
+                              "have")
         flat[name] = s.coerce(value, str(path))
 
     for key, value in raw.items():
@@ -244,8 +254,7 @@ def read_config_file(config_cls: type, path: str | Path, stage: str | None = Non
     return flat
 
 
-def build_config(config_cls: type[C], values: dict[str, Any], stage: str | None = None,
-                 defaults: dict[str, Any] | None = None) -> C:
+def build_config(config_cls: type[C], values: dict[str, Any], defaults: dict[str, Any] | None = None) -> C:
     """The config from explicit values over the entry point's defaults over the dataclass defaults, checked."""
     defaults = defaults or {}
     groups: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(config_cls)}
@@ -277,25 +286,25 @@ def check_bounds(config: Any) -> None:
 
 
 def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None,
-                 stage: str | None = None, defaults: dict[str, Any] | None = None) -> C:
+                 scope: Scope | None = None, defaults: dict[str, Any] | None = None) -> C:
     """Parse the command line (and its --config file) into a checked config.
 
     Usage errors exit through argparse (status 2); a bad config file or value raises ConfigError.
     """
-    parser = build_parser(config_cls, description, stage, defaults)
+    parser = build_parser(config_cls, description, scope, defaults)
     given = vars(parser.parse_args(argv))
     path = given.pop("config", None)
-    values = read_config_file(config_cls, path, stage) if path else {}
+    values = read_config_file(config_cls, path, scope) if path else {}
     values.update(given)
-    return build_config(config_cls, values, stage, defaults)
+    return build_config(config_cls, values, defaults)
 
 
-def to_dict(config: Any, stage: str | None = None) -> dict[str, dict[str, Any]]:
-    """The config nested by group, as a config file for `stage` holds it: actions of one invocation (--resume)
-    and settings of other stages are left out."""
+def to_dict(config: Any, scope: Scope | None = None) -> dict[str, dict[str, Any]]:
+    """The config nested by group, as a config file for `scope` holds it: actions of one invocation (--resume)
+    and settings of features it lacks are left out."""
     out: dict[str, dict[str, Any]] = {}
     for s in settings(type(config)).values():
-        if not s.meta["persist"] or not s.applies_to(stage):
+        if not s.meta["persist"] or not s.applies_to(scope):
             continue
         out.setdefault(s.group, {})[s.name] = getattr(getattr(config, s.group), s.name)
     return out

@@ -69,7 +69,7 @@ class DataConfig:
     overlong: Literal["truncate", "drop"] = option(
         "truncate", "conversations over max_seq_len: cut after the last whole assistant turn that fits, or "
                     "drop (DPO pairs: drop the oldest prompt turns, then cut the answers' ends)",
-        stages=("sft", "lora", "dpo", "distill"))
+        feature="conversations")
 
 
     def sources(self) -> list[DataSource]:

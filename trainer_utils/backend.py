@@ -3,7 +3,7 @@
 A backend is composed of a communicator (`Comm`: who the other ranks are, and the collectives) and a way of
 turning losses into weight updates. The loop calls only:
 
-    wrap(model, optimizer) -> the module to run forward     no_sync(model): accumulation micro-steps
+    wrap(model, build_optimizer) -> (module to run forward, optimizer)     no_sync(model): accumulation
     backward(loss)                                          step() -> (grad_norm, applied) as device tensors
     save_state(dir) -> small state for training_state.pt    restore_state(dir, state)
     all_reduce_sum(t)   barrier()   close()                 rank, world_size, is_main, device, precision
@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from common.errors import CheckpointError
 
 from .runtime import Precision
+
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]  # the optimizer over a model's parameters
 
 
 class Comm:
@@ -78,8 +80,10 @@ class Backend:
     def close(self) -> None:
         self.comm.close()
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        """Take ownership of the optimizer; return the module the loop runs forward."""
+    def wrap(self, model: torch.nn.Module, build_optimizer: OptimizerFactory
+             ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Wrap the model for this backend, then build the optimizer over what it trains (a sharded backend
+        would shard first); return the module the loop runs forward and the optimizer, which it owns."""
         raise NotImplementedError
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -129,14 +133,16 @@ class TorchBackend(Backend):
     def name(self) -> str:
         return "ddp" if self.ddp else "single"
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        self.optimizer = optimizer
-        if not self.ddp:
-            return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        # gradients as views into the all-reduce buckets: one copy of the gradients instead of two
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                   gradient_as_bucket_view=True)
+    def wrap(self, model: torch.nn.Module, build_optimizer: OptimizerFactory
+             ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        wrapped = model
+        if self.ddp:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            # gradients as views into the all-reduce buckets: one copy of the gradients instead of two
+            wrapped = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                          gradient_as_bucket_view=True)
+        self.optimizer = build_optimizer(model)  # DDP replicates: the same parameters
+        return wrapped, self.optimizer
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync() if self.ddp else contextlib.nullcontext()

@@ -1,6 +1,7 @@
 """The training configuration: typed groups (data, model, optimization, precision/devices, output/logging,
-evaluation) that every training script shares, with MiniMind's flag names. Stages differ only in their
-defaults (STAGE_DEFAULTS).
+evaluation) that every training script shares, with MiniMind's flag names. Stages (trainer_utils/stages) differ
+in their defaults and in the optional settings they have (a setting's `feature`: "lora", "dpo", "distill",
+"conversations").
 
     python train_pretrain.py --config recipes/minimind-26m-pretrain.yaml --max_steps 100
 
@@ -22,12 +23,9 @@ from model.config import PRESETS
 from model.inference import DeviceConfig
 
 from .runtime import compile_toolchain_problem
+from .stages import Stage, get_stage
 
 DEFAULT_PRESET = "minimind-26m"
-# The training scripts: pretraining and SFT, then the post-training ones built on a trained model.
-POST_TRAINING = ("lora", "dpo", "distill")
-STAGES = ("pretrain", "sft", *POST_TRAINING)
-ADAPTED = ("lora", "dpo")  # the stages that may train LoRA adapters instead of every weight
 
 
 @dataclass
@@ -196,13 +194,13 @@ class LoraOptions:
 
     title: ClassVar[str] = "LoRA"
     lora_rank: int = option(0, "adapter rank; 0 trains every weight instead (train_lora.py: 16)", at_least=0,
-                            stages=ADAPTED)
+                            feature="lora")
     lora_alpha: float = option(32.0, "adapter scale: updates are multiplied by lora_alpha / lora_rank", above=0,
-                               stages=ADAPTED)
+                               feature="lora")
     lora_targets: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"], "projections that get adapters "
                                      "(also gate_proj, up_proj, down_proj)", several=True, metavar="NAME",
-                                     stages=ADAPTED)
-    lora_dropout: float = option(0.0, "dropout on the adapters' input", at_least=0, below=1, stages=ADAPTED)
+                                     feature="lora")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input", at_least=0, below=1, feature="lora")
 
 
 @dataclass
@@ -211,15 +209,15 @@ class ObjectiveOptions:
 
     title: ClassVar[str] = "objective"
     beta: float = option(0.1, "DPO: how strongly the policy is held to the reference (larger: closer)", above=0,
-                         stages=("dpo",))
+                         feature="dpo")
     label_smoothing: float = option(0.0, "DPO: share of preference labels assumed wrong (conservative DPO)",
-                                    at_least=0, below=0.5, stages=("dpo",))
+                                    at_least=0, below=0.5, feature="dpo")
     teacher: str | None = option(None, "distillation: the teacher's run, checkpoint or model dir (required; same "
-                                       "tokenizer, any size)", metavar="DIR", stages=("distill",))
+                                       "tokenizer, any size)", metavar="DIR", feature="distill")
     alpha: float = option(0.5, "distillation: weight of the labels' cross-entropy; the teacher's KL gets 1 - alpha",
-                          at_least=0, at_most=1, stages=("distill",))
+                          at_least=0, at_most=1, feature="distill")
     temperature: float = option(1.5, "distillation: softmax temperature of teacher and student (KL scaled by T^2)",
-                                above=0, stages=("distill",))
+                                above=0, feature="distill")
 
 
 @dataclass
@@ -274,32 +272,9 @@ class TrainConfig:
             require_package("tensorboard", "--use_tensorboard")
 
 
-SFT_DEMO = ["dataset/demo/sft_demo.jsonl"]
-STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    # Muon learns more per token and per second than AdamW from scratch (README "Muon", dev/LOG.md); fine-tuning
-    # keeps AdamW, the optimizer most published checkpoints were trained with
-    "pretrain": dict(data_path=["dataset/demo/pretrain_demo.jsonl"], batch_size=32, learning_rate=5e-4,
-                     optimizer="auto"),
-    "sft": dict(data_path=SFT_DEMO, batch_size=16, learning_rate=5e-5),
-    # adapters start at zero and have few parameters: a larger step than full fine-tuning
-    "lora": dict(data_path=SFT_DEMO, batch_size=16, learning_rate=1e-4, lora_rank=16),
-    "dpo": dict(data_path=["dataset/demo/dpo_demo.jsonl"], batch_size=8, learning_rate=5e-6),
-    "distill": dict(data_path=SFT_DEMO, batch_size=16, learning_rate=5e-4),
-}
-
-
-def check_stage(config: TrainConfig, stage: str) -> None:
-    """What a stage needs that its flags cannot default: post-training starts from a trained model."""
-    if stage in ("lora", "dpo") and config.model.init_from is None:
-        script = "train_lora.py" if stage == "lora" else "train_dpo.py"
-        raise ConfigError(f"{script} trains on top of a trained model: pass --init_from out/<run> (an SFT run, or "
-                          "a pretraining run)")
-    if stage == "distill" and config.objective.teacher is None:
-        raise ConfigError("train_distillation.py learns from a teacher: pass --teacher out/<run>")
-
-
-def parse_train_config(stage: str, argv: list[str] | None, description: str | None) -> TrainConfig:
-    """The checked TrainConfig of a training script's command line (and --config file)."""
-    config = parse_config(TrainConfig, argv, description, stage, STAGE_DEFAULTS[stage])
-    check_stage(config, stage)
+def parse_train_config(stage: Stage | str, argv: list[str] | None, description: str | None) -> TrainConfig:
+    """The checked TrainConfig of a training stage's command line (and --config file), with its defaults."""
+    stage = get_stage(stage)
+    config = parse_config(TrainConfig, argv, description, stage, stage.defaults)
+    stage.check(config)
     return config

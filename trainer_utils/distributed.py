@@ -25,7 +25,7 @@ from common.errors import CheckpointError, ConfigError
 from common.files import rendezvous_port
 from model.inference import resolve_device
 
-from .backend import Backend, Comm, TorchBackend
+from .backend import Backend, Comm, OptimizerFactory, TorchBackend
 from .config import TrainConfig
 from .runtime import Precision, set_cuda_tf32
 
@@ -141,16 +141,20 @@ class DeepSpeedBackend(Backend):
         super().__init__(DistComm(env, device, config.precision.dist_timeout), device, precision)
         self.engine: Any = None
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, build_optimizer: OptimizerFactory
+             ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         import deepspeed
         buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b.is_floating_point()}
+        # ZeRO-2 partitions the optimizer state of a whole model's optimizer as it takes it in: built here, over
+        # the unsharded model (ZeRO-3, which shards the weights themselves, is not supported)
+        optimizer = build_optimizer(model)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         # bf16 mode casts the whole module, buffers included: give back the fp32 RoPE tables (the model casts
         # them per use) and routing biases (updates of 1e-3 would round away in bf16)
         for name, b in model.named_buffers():
             if name in buffers and b.dtype != buffers[name].dtype:
                 b.data = buffers[name].to(b.device)
-        return self.engine
+        return self.engine, optimizer
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the engine knows the accumulation boundary itself
