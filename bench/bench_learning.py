@@ -223,7 +223,7 @@ def tokens_per_step(config: Any) -> int:
     if seq is None:
         from model import ModelConfig
         from model.loading import resolve_model_dir
-        from trainer_utils.loop import new_model_config
+        from trainer_utils.session import new_model_config
 
         model = ModelConfig.load(resolve_model_dir(m.init_from) / "config.json") if m.init_from else \
             new_model_config(m)

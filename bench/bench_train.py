@@ -54,7 +54,8 @@ from model.config import get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
 from trainer_utils.config import TrainConfig, parse_train_config  # noqa: E402
-from trainer_utils.loop import Trainer, new_model_config  # noqa: E402
+from trainer_utils.loop import Trainer
+from trainer_utils.session import new_model_config  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
 from trainer_utils.runtime import Precision  # noqa: E402

@@ -164,6 +164,6 @@ def train_through_an_empty_step(argv: list[str], monkeypatch) -> dict:
                 # moments, SGD's momentum buffer)
                 "optimizer_moved": any(bool(torch.as_tensor(v).any()) for state in trainer.optimizer.state.values()
                                        for v in state.values()),
-                "skipped": trainer.skipped, "records": strict_records(session.run_dir)}
+                "skipped": trainer.state.skipped, "records": strict_records(session.run_dir)}
     finally:
         session.backend.close()

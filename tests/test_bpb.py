@@ -19,6 +19,8 @@ from common.errors import CheckpointError
 from dataset.tokenizer import IGNORE_INDEX
 from model.inference import token_byte_lengths
 from trainer_utils import loop as loop_mod
+from trainer_utils import session as session_mod
+from trainer_utils.components.evaluation import Evaluation
 from trainer_utils.config import parse_train_config
 from trainer_utils.data import eval_batches
 
@@ -94,7 +96,7 @@ def test_two_ranks_count_the_bytes_of_all_ranks(corpus, tmp_path):
 def test_no_val_bpb_for_a_tokenizer_that_is_not_byte_level(corpus, tmp_path, monkeypatch, capsys):
     def not_byte_level(*_):
         raise CheckpointError("tokenizer.json: bits per byte needs a byte-level BPE tokenizer, decoder is 'Metaspace'")
-    monkeypatch.setattr(loop_mod, "token_byte_lengths", not_byte_level)
+    monkeypatch.setattr(session_mod, "token_byte_lengths", not_byte_level)
     assert train_pretrain.main(flags(corpus, tmp_path, max_steps=4, sample_prompts="none")) == 0
     assert "note: no val_bpb in the log" in capsys.readouterr().err
     [r] = evals(tmp_path / "run")
@@ -113,16 +115,16 @@ def test_no_val_bpb_for_dpo(sft_run, tmp_path):
 
 
 def test_elapsed_s_is_training_time_without_evaluation(corpus, tmp_path, monkeypatch):
-    """A slow evaluation (here 2 s of sample prompts at step 4) does not count; a resume goes on from the
+    """A slow evaluation (here 2 s more at step 4) does not count; a resume goes on from the
     checkpoint's training time."""
-    real = loop_mod.Trainer._samples_and_probes
+    real = Evaluation.run
 
-    def slow_at_step_4(self):
-        if self.step == 4:
+    def slow_at_step_4(self, trainer):
+        if trainer.state.step == 4:
             time.sleep(2)
-        real(self)
+        real(self, trainer)
 
-    monkeypatch.setattr(loop_mod.Trainer, "_samples_and_probes", slow_at_step_4)
+    monkeypatch.setattr(Evaluation, "run", slow_at_step_4)
     t0 = time.perf_counter()
     assert train_pretrain.main(flags(corpus, tmp_path, sample_prompts="none")) == 0
     wall = time.perf_counter() - t0

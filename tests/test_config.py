@@ -18,7 +18,8 @@ from common.config import build_config, parse_config, read_config_file, to_dict
 from common.errors import ConfigError
 from dataset import cache as cache_mod
 from model import load_model
-from trainer_utils.config import STAGE_DEFAULTS, TrainConfig, parse_train_config
+from trainer_utils.config import TrainConfig, parse_train_config
+from trainer_utils.stages import STAGES
 
 from conftest import ROOT, cli_flags, read_metrics
 
@@ -61,7 +62,7 @@ def test_precedence_defaults_then_stage_then_file_then_command_line(tmp_path):
     ("optim:\n  data_path: x.jsonl\n", "data_path belongs to group 'data', not 'optim'"),
     ("batch_size: eight\n", "batch_size must be int, got 'eight'"),
     ("dtype: fp8\n", "dtype must be one of"),
-    ("overlong: drop\n", "overlong is a setting of sft, lora, dpo, distill runs, not of pretrain"),
+    ("overlong: drop\n", "overlong is a conversations setting, which pretrain runs do not have"),
     ("- a\n- b\n", "expected a mapping of settings"),
     ("optim: [1\n", "not valid YAML"),
     ("batch_size: 0\n", "--batch_size must be >= 1, got 0"),
@@ -76,12 +77,12 @@ def test_bad_config_files_are_one_line_errors(tmp_path, text, message):
 
 def test_config_round_trips_through_to_dict():
     config = parse_train_config("sft", ["--batch_size", "3", "--overlong", "drop", "--resume"], "")
-    written = to_dict(config, "sft")
+    written = to_dict(config, STAGES["sft"])
     assert "resume" not in written["run"] and "overwrite" not in written["run"]  # actions, not settings
-    again = build_config(TrainConfig, {k: v for g in written.values() for k, v in g.items()}, "sft",
-                         STAGE_DEFAULTS["sft"])
-    assert to_dict(again, "sft") == written
-    assert "overlong" not in to_dict(config, "pretrain")["data"]
+    again = build_config(TrainConfig, {k: v for g in written.values() for k, v in g.items()},
+                         STAGES["sft"].defaults)
+    assert to_dict(again, STAGES["sft"]) == written
+    assert "overlong" not in to_dict(config, STAGES["pretrain"])["data"]
 
 
 def test_eval_and_cache_entry_points_share_the_machinery(tmp_path):
@@ -107,7 +108,7 @@ def test_every_recipe_parses_for_its_stage():
     for path in RECIPES:
         stage = recipe_stage(path)
         config = parse_train_config(stage, ["--config", str(path)], "")
-        assert read_config_file(TrainConfig, path, stage), path
+        assert read_config_file(TrainConfig, path, STAGES[stage]), path
         assert (config.model.init_from is not None) == (stage in ("sft", "lora", "dpo")) or stage == "distill", path
         assert (config.objective.teacher is not None) == (stage == "distill"), path
     gpt2 = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/gpt2-100m-pretrain.yaml")], "")
@@ -133,17 +134,17 @@ def test_every_recipe_trains_two_steps(corpus, tmp_path):
         assert train_pretrain.main(["--config", str(path), *small, *extra]) == 0, path
     for path in [p for p in RECIPES if p.stem.endswith("sft")]:
         pretrain = tmp_path / read_config_file(TrainConfig, path.with_name(path.name.replace("sft", "pretrain")),
-                                               "pretrain")["run_name"]
+                                               STAGES["pretrain"])["run_name"]
         args = [*small, "--data_path", str(corpus["sft"]), "--init_from", str(pretrain)]
         assert train_full_sft.main(["--config", str(path), *args]) == 0, path
-        assert load_model(tmp_path / read_config_file(TrainConfig, path, "sft")["run_name"])[0] is not None
+        assert load_model(tmp_path / read_config_file(TrainConfig, path, STAGES["sft"])["run_name"])[0] is not None
     # post-training on the runs above: each recipe's --init_from / --teacher point at them by run name
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join((ROOT / "dataset/demo/dpo_demo.jsonl").read_text().splitlines(True)[:40]))
     scripts = {"lora": train_lora.main, "dpo": train_dpo.main, "distill": train_distillation.main}
     for path in [p for p in RECIPES if recipe_stage(p) in scripts]:
         stage = recipe_stage(path)
-        recipe = read_config_file(TrainConfig, path, stage)
+        recipe = read_config_file(TrainConfig, path, STAGES[stage])
         chat = stage == "lora" or "sft" in recipe["data_path"][0]  # distillation takes either kind
         data = pairs if stage == "dpo" else corpus["sft" if chat else "pretrain"]
         args = [*small, "--data_path", str(data)]

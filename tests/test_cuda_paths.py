@@ -89,7 +89,11 @@ def test_the_model_is_compiled_after_the_backend_wraps_it(corpus, tmp_path, monk
             return self.module(*args, **kwargs)
 
     real_wrap = TorchBackend.wrap
-    monkeypatch.setattr(TorchBackend, "wrap", lambda self, model, opt: Wrapper(real_wrap(self, model, opt)))
+    def wrap(self, model, build_optimizer):
+        wrapped, optimizer = real_wrap(self, model, build_optimizer)
+        return Wrapper(wrapped), optimizer
+
+    monkeypatch.setattr(TorchBackend, "wrap", wrap)
     config = parse_train_config("pretrain", flags(corpus, tmp_path) + ["--compile"], "")
     trainer = loop.Trainer(loop.Session(config, "pretrain"))
     assert isinstance(trainer.wrapped, Wrapper) and trainer.wrapped.module is trainer.model

@@ -8,7 +8,7 @@ import pytest
 import eval_model
 import train_pretrain
 from model.loading import resolve_model_dir
-from trainer_utils import loop as loop_mod
+from trainer_utils.components.evaluation import Evaluation
 
 from conftest import cli_flags, read_metrics
 
@@ -22,15 +22,15 @@ def flags(corpus, tmp_path, **over) -> list[str]:
 
 
 def scripted_val_losses(monkeypatch, values: list[float]) -> None:
-    """Trainer.evaluate returns these values in turn (then repeats the last)."""
+    """The evaluation component returns these values in turn (then repeats the last)."""
     it = iter(values)
     last = [values[-1]]
 
-    def evaluate(self):
+    def evaluate(self, trainer):
         last[0] = next(it, last[0])
-        return {self.s.val_sets[0].name: {"loss": last[0]}}
+        return {trainer.session.val_sets[0].name: {"loss": last[0]}}
 
-    monkeypatch.setattr(loop_mod.Trainer, "evaluate", evaluate)
+    monkeypatch.setattr(Evaluation, "evaluate", evaluate)
 
 
 def events(run) -> list[dict]:
@@ -59,11 +59,11 @@ def test_patience_stops_keeps_the_best_checkpoint_and_exits_0(corpus, tmp_path, 
 def test_overfit_gap_stops_when_validation_drifts_above_training(corpus, tmp_path, monkeypatch, capsys):
     losses = iter([])
 
-    def val_above_train(self):
-        return {self.s.val_sets[0].name: {"loss": (self.last_train_loss or 9.0) + next(losses, 1.0)}}
+    def val_above_train(self, trainer):
+        return {trainer.session.val_sets[0].name: {"loss": (trainer.train_loss or 9.0) + next(losses, 1.0)}}
 
     losses = iter([0.1, 0.2, 0.8])  # gaps at steps 2, 4, 6
-    monkeypatch.setattr(loop_mod.Trainer, "evaluate", val_above_train)
+    monkeypatch.setattr(Evaluation, "evaluate", val_above_train)
     assert train_pretrain.main(flags(corpus, tmp_path, overfit_gap=0.5)) == 0
     err = capsys.readouterr().err
     assert "early stop after step 6: the validation loss" in err and "by 0.8000 (--overfit_gap 0.5)" in err

@@ -37,7 +37,8 @@ from model.memory import (
 )
 from trainer_utils.backend import Comm, TorchBackend
 from trainer_utils.config import ModelOptions
-from trainer_utils.loop import Trainer, new_model_config
+from trainer_utils.loop import Trainer
+from trainer_utils.session import new_model_config
 from trainer_utils.objectives import LanguageModeling
 from trainer_utils.optim import build_optimizer
 from trainer_utils.routing import RouterBalance
@@ -70,12 +71,12 @@ class TrainingStep:
         self.model = PocketLM(cfg).train()
         self.model.set_gradient_checkpointing(grad_checkpointing)
         # the trainers' defaults: AdamW (fused on CPU), weight decay 0.1 on matrices, betas (0.9, 0.95)
-        self.optimizer = build_optimizer(self.model, optimizer, 5e-4, 0.1, (0.9, 0.95), 0.9, CPU)
         precision = Precision(CPU, getattr(torch, dtype))
         self.backend = TorchBackend(Comm(), CPU, precision, grad_clip=1.0)
         self.router = RouterBalance(cfg, self.backend, CPU) if cfg.moe else None
         # train_step reads only these attributes of the Trainer (no torch.compile: forward_model is the wrapped model)
-        wrapped = self.backend.wrap(self.model, self.optimizer)
+        wrapped, self.optimizer = self.backend.wrap(
+            self.model, lambda m: build_optimizer(m, optimizer, 5e-4, 0.1, (0.9, 0.95), 0.9, CPU))
         self.trainer = types.SimpleNamespace(
             backend=self.backend, device=CPU, precision=precision, wrapped=wrapped, forward_model=wrapped,
             empty_step_anchor=min(self.model.parameters(), key=torch.numel), objective=LanguageModeling(),

@@ -17,6 +17,7 @@ from model import load_model
 from trainer_utils import loop as loop_mod
 from trainer_utils.config import parse_train_config
 from trainer_utils.routing import RouterBalance
+from trainer_utils.session import new_model_config
 
 from conftest import ROOT, read_metrics, train_through_an_empty_step
 
@@ -46,7 +47,7 @@ def test_the_balancing_loss_is_the_switch_loss_over_the_whole_step(corpus, tmp_p
     coef * mean over layers of E * sum_e f_e * P_e, f and P over every token of the step."""
     coef = 0.5
     trainer = trainer_for(corpus, tmp_path, router_aux_loss_coef=coef)
-    batch = trainer.s.train_data.batch(trainer.s.train_data.global_indices(0, 4))
+    batch = trainer.session.train_data.batch(trainer.session.train_data.global_indices(0, 4))
     with_aux = step_gradients(trainer, [batch])
     trainer.model.config.router_aux_loss_coef = 0.0
     lm_only = step_gradients(trainer, [batch])
@@ -92,7 +93,7 @@ def test_router_metrics_are_logged_apart_from_the_loss(corpus, tmp_path):
 
 def test_the_loss_excludes_the_router_terms(corpus, tmp_path):
     trainer = trainer_for(corpus, tmp_path, router_aux_loss_coef=100.0)
-    batch = trainer.s.train_data.batch(trainer.s.train_data.global_indices(0, 4))
+    batch = trainer.session.train_data.batch(trainer.session.train_data.global_indices(0, 4))
     trainer.router.start_step(torch.tensor(float(batch[0].numel())))
     loss_sum = trainer.train_step([batch], trainer.objective.count(batch).float())
     logits = trainer.model(batch[0])
@@ -177,9 +178,9 @@ def test_router_flags_apply_to_init_from_and_must_agree_on_resume(corpus, tmp_pa
     assert train_pretrain.main(argv) != 0
     assert "--router_aux_loss_coef cannot take effect with --resume" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="norm_topk_prob"):
-        loop_mod.new_model_config(parse_train_config(
+        new_model_config(parse_train_config(
             "pretrain", moe_flags(corpus, tmp_path, num_experts_per_tok=1, norm_topk_prob=True), "").model)
-    top1 = loop_mod.new_model_config(parse_train_config(
+    top1 = new_model_config(parse_train_config(
         "pretrain", moe_flags(corpus, tmp_path, num_experts_per_tok=1), "").model)
     assert top1.norm_topk_prob is False  # top-1 defaults to Switch-style weights
 

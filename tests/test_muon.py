@@ -250,7 +250,7 @@ from trainer_utils import loop
 real_save = loop.Trainer.save
 def save_and_dump(self):
     real_save(self)
-    if self.step == self.total_steps:  # every rank writes the weights it ends with
+    if self.state.step == self.total_steps:  # every rank writes the weights it ends with
         torch.save(self.model.state_dict(), {out!r} + f"/rank{{dist.get_rank()}}.pt")
 loop.Trainer.save = save_and_dump
 sys.exit(train_pretrain.main(sys.argv[1:]))

@@ -24,7 +24,7 @@ def poison(monkeypatch, dtypes: set[torch.dtype], when=lambda step: True) -> Non
 
     def train_step(self, micro, n_valid):
         loss = real(self, micro, n_valid)
-        if self.precision.dtype in dtypes and when(self.step):
+        if self.precision.dtype in dtypes and when(self.state.step):
             next(self.model.parameters()).grad.fill_(float("inf"))
         return loss
 

@@ -17,6 +17,7 @@ from dataset.jsonl import DataError, SkipReport, read_records
 from dataset.mixture import Mixture
 from dataset.preference import PreferenceDataset
 from dataset.tokenizer import IGNORE_INDEX
+from trainer_utils.stages import STAGES
 
 from conftest import ROOT, demo_records, write_jsonl
 
@@ -295,8 +296,9 @@ def test_train_val_split_is_by_line_like_the_other_kinds(tmp_path, tokenizer, mo
 
 def test_overlong_is_a_setting_of_sft_and_dpo_runs_only():
     overlong = settings(CacheConfig)["overlong"]
-    assert overlong.applies_to("dpo") and overlong.applies_to("sft") and not overlong.applies_to("pretrain")
-    assert parse_config(CacheConfig, ["--data_path", "p.jsonl", "--overlong", "drop"], stage="dpo").data.overlong \
+    assert overlong.applies_to(STAGES["dpo"]) and overlong.applies_to(STAGES["sft"])
+    assert not overlong.applies_to(STAGES["pretrain"])
+    assert parse_config(CacheConfig, ["--data_path", "p.jsonl", "--overlong", "drop"], scope=STAGES["dpo"]).data.overlong \
         == "drop"
 
 

@@ -14,7 +14,7 @@ from model.config import architecture, model_name
 from model.model import KVCache
 from model.stats import attention_probs
 from trainer_utils.config import ModelOptions, parse_train_config
-from trainer_utils.loop import new_model_config
+from trainer_utils.session import new_model_config
 
 from conftest import tiny_config
 

@@ -16,6 +16,7 @@ import train_pretrain
 from model import PocketLM, load_model
 from trainer_utils import checkpoint as ckpt_mod
 from trainer_utils import loop as loop_mod
+from trainer_utils.components.log import TrainLog
 from trainer_utils.config import parse_train_config
 from trainer_utils.metrics import flops_per_token, peak_flops
 from trainer_utils.optim import WarmupCosine
@@ -53,14 +54,14 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def stop_at(monkeypatch, step: int) -> None:
     """Deliver SIGTERM to this process right after optimizer step `step` is logged."""
-    real = loop_mod.Trainer._log
+    real = TrainLog.run
 
-    def log_then_signal(self, *a, **k):
-        real(self, *a, **k)
-        if self.step == step:
+    def log_then_signal(self, trainer):
+        real(self, trainer)
+        if trainer.state.step == step:
             signal.raise_signal(signal.SIGTERM)
 
-    monkeypatch.setattr(loop_mod.Trainer, "_log", log_then_signal)
+    monkeypatch.setattr(TrainLog, "run", log_then_signal)
 
 
 def test_overfits_a_few_samples(corpus, tmp_path):
@@ -124,7 +125,7 @@ def test_accumulation_matches_a_bigger_batch(corpus, tmp_path):
 def test_fully_masked_micro_batch_contributes_zero(corpus, tmp_path):
     config = parse_train_config("sft", flags(corpus, tmp_path, data_path=corpus["sft"], max_seq_len=64), "")
     trainer = loop_mod.Trainer(loop_mod.Session(config, "sft"))
-    x, y = trainer.s.train_data.batch(trainer.s.train_data.global_indices(0, 4))
+    x, y = trainer.session.train_data.batch(trainer.session.train_data.global_indices(0, 4))
     masked = torch.full_like(y, -100)
     n_valid = torch.tensor(float((y != -100).sum()))
     params = [p for p in trainer.model.parameters()]
@@ -241,7 +242,7 @@ def test_out_of_memory_stops_with_advice_and_keeps_the_last_checkpoint(corpus, t
     original = loop_mod.Trainer.train_step
 
     def fail_at_step_6(self, micro, n_valid):
-        if self.step == 5:
+        if self.state.step == 5:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return original(self, micro, n_valid)
 
@@ -310,7 +311,7 @@ def test_non_finite_steps_are_skipped_then_training_stops(corpus, tmp_path, monk
 
     monkeypatch.setattr(trainer, "train_step", poisoned)
     assert trainer.fit() == 1
-    assert trainer.step == 3 and trainer.skipped == 3
+    assert trainer.state.step == 3 and trainer.state.skipped == 3
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step must not touch the weights"
     assert not (tmp_path / "run" / "latest").exists()  # nothing saved from the broken run
@@ -328,7 +329,7 @@ def test_a_skipped_step_leaves_the_logged_loss_finite(corpus, tmp_path, monkeypa
 
     def poison_step_2(micro, n_valid):
         loss = real_step(micro, n_valid)
-        if trainer.step == 1:  # the second step
+        if trainer.state.step == 1:  # the second step
             next(trainer.model.parameters()).grad.fill_(float("nan"))
             loss = loss * float("nan")
         return loss
@@ -370,7 +371,7 @@ def test_the_skipped_step_count_survives_a_resume(corpus, tmp_path, monkeypatch)
 
     def poison_step_2(self, micro, n_valid):
         loss = real(self, micro, n_valid)
-        if self.step == 1:
+        if self.state.step == 1:
             next(self.model.parameters()).grad.fill_(float("nan"))
         return loss
 
