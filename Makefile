@@ -91,7 +91,7 @@ demo-moe: install
 	$(PYTHON) scripts/summarize_runs.py $(DEMO_OUT)/demo-moe $(DEMO_OUT)/demo-moe-bias \
 		$$(test -d $(DEMO_OUT)/demo-pretrain && echo $(DEMO_OUT)/demo-pretrain)
 
-# Benchmarks (CPU here, any GPU elsewhere); results land in bench/results/, the README quotes them.
+# Benchmarks (CPU here, any GPU elsewhere); results land in bench/results/, docs/benchmarks.md quotes them.
 BENCH_DATA ?= dataset/demo/pretrain_demo.jsonl
 bench: install-dev
 	$(PYTHON) bench/bench_data.py --data_path $(BENCH_DATA) --out bench/results/data-$$(hostname).json
@@ -109,7 +109,7 @@ bench-learning: install
 	$(PYTHON) bench/bench_learning.py --ablation $(ABLATION) --out $(DEMO_OUT)/bench-learning
 
 # An OpenAI-compatible API over the demo chat model (after `make demo`), on http://127.0.0.1:8998/v1 (loopback
-# only; --host and --api_key to expose it). Any OpenAI client works; see README "Use your model".
+# only; --host and --api_key to expose it). Any OpenAI client works; see docs/serving.md.
 .PHONY: serve
 serve: install
 	$(PYTHON) serve_openai_api.py --checkpoint $(DEMO_OUT)/demo-sft

@@ -6,8 +6,9 @@
     python eval_model.py --checkpoint out/<run> --probes dataset/prompts/probes.tsv --temperature 0
     python eval_model.py --checkpoint out/<run> --sweep temperature=0.6:1.2:0.1 --out sweep.json --plot sweep.png
 
-The stage in the checkpoint's train_info.json decides the prompt format: pretrain checkpoints continue raw
-text and stop at <|endoftext|>; SFT checkpoints are prompted through the chat template and stop at <|im_end|>.
+The prompt format in the checkpoint's train_info.json decides how it is prompted: "text" checkpoints (pretrained)
+continue raw text and stop at <|endoftext|>; "chat" ones (SFT and after) are prompted through the chat template
+and stop at <|im_end|>.
 """
 from __future__ import annotations
 
@@ -58,16 +59,17 @@ class Evaluator:
         task, self.sampling = config.task, config.sampling
         dtype = choose_dtype(config.device.dtype, device, "inference").dtype
         self.model, model_dir = load_model(task.checkpoint, device=device, dtype=dtype)
-        self.stage = task.stage or read_train_info(model_dir)["stage"]
+        self.prompt_format = task.prompt_format or read_train_info(model_dir)["prompt_format"]
+        self.chat = self.prompt_format == "chat"
         self.system = task.system
         self.skip_bad_lines = task.skip_bad_lines
-        if task.system and self.stage != "sft":
-            note("--system is ignored: a pretrain checkpoint is prompted with raw text")
+        if task.system and not self.chat:
+            note("--system is ignored: a text checkpoint (pretrained) is prompted with raw text")
         if not (model_dir / "tokenizer.json").is_file():
             note(f"{model_dir} has no tokenizer.json; using the default tokenizer")
         self.tok = Tokenizer(model_dir if (model_dir / "tokenizer.json").is_file() else DEFAULT_TOKENIZER_DIR)
         self.tok.check_fits(self.model.config.vocab_size)
-        self.eos = self.tok.stop_ids(chat=self.stage == "sft")
+        self.eos = self.tok.stop_ids(chat=self.chat)
         # prompt tokens allowed
         self.budget = self.model.config.max_position_embeddings - self.sampling.max_new_tokens
         seed = self.sampling.seed
@@ -76,8 +78,8 @@ class Evaluator:
         experts = (f", {cfg.num_parameters(active=True) / 1e6:.2f}M active: {cfg.num_experts} experts, top-"
                    f"{cfg.num_experts_per_tok}" + (f" + {cfg.num_shared_experts} shared" if cfg.num_shared_experts
                                                    else "")) if cfg.moe else ""
-        print(f"loaded {model_dir} (stage {self.stage}, {self.model.num_parameters() / 1e6:.2f}M params{experts}, "
-              f"{device}, {dtype_name(dtype)})", file=sys.stderr)
+        print(f"loaded {model_dir} (prompt format {self.prompt_format}, {self.model.num_parameters() / 1e6:.2f}M "
+              f"params{experts}, {device}, {dtype_name(dtype)})", file=sys.stderr)
 
     def complete(self, prompts: list[list[int]], stream: bool = False) -> list[str]:
         """Generate a completion per prompt; with stream=True (one prompt) print it as it is produced."""
@@ -98,7 +100,7 @@ class Evaluator:
     def chat(self) -> None:
         """REPL: lines from stdin, streamed replies; /reset clears the history, /exit or EOF quits."""
         base = [{"role": "system", "content": self.system}] if self.system else []
-        if self.stage != "sft":
+        if not self.chat:
             note("pretrain checkpoint: each line is continued as raw text, without history or template")
         history, interactive = list(base), sys.stdin.isatty()
         while True:
@@ -115,7 +117,7 @@ class Evaluator:
             if not line:
                 continue
             try:
-                if self.stage != "sft":
+                if not self.chat:
                     self.complete([self.prompt_ids(line)], stream=True)
                     continue
                 messages, ids, dropped = fit_chat(history + [{"role": "user", "content": line}],
@@ -128,7 +130,7 @@ class Evaluator:
                 print("\n(interrupted)", flush=True)
 
     def prompt_ids(self, text: str) -> list[int]:
-        return self.tok.prompt_ids(text, chat=self.stage == "sft", system=self.system)
+        return self.tok.prompt_ids(text, chat=self.chat, system=self.system)
 
     def probes(self, probes: list[Probe]) -> None:
         """Print each prompt with its completion; a probe (`prompt<TAB>expected`) also with whether the greedy
@@ -137,7 +139,7 @@ class Evaluator:
             chunk = probes[start:start + 8]
             outs = self.complete([self.prompt_ids(p.prompt) for p in chunk])
             scored = iter(run_probes(self.model, [p for p in chunk if p.expected], self.prompt_ids, self.tok.encode,
-                                     self.tok.decode, self.stage == "sft", self.eos, self.tok.pad_id))
+                                     self.tok.decode, self.chat, self.eos, self.tok.pad_id))
             for probe, out in zip(chunk, outs):
                 print(f">>> {probe.prompt}\n{out}", flush=True)
                 if probe.expected:
@@ -208,7 +210,8 @@ class EvalTask:
     probes: str | None = option(None, "one prompt per line, or `prompt<TAB>expected` to score the answer ('#' "
                                       "comments; e.g. dataset/prompts/probes.tsv)", metavar="FILE")
     system: str | None = option(None, "system prompt for SFT checkpoints", metavar="TEXT")
-    stage: Literal["pretrain", "sft"] | None = option(None, "override train_info.json's stage")
+    prompt_format: Literal["text", "chat"] | None = option(None, "override train_info.json's prompt format (text: "
+                                                                 "raw continuation, chat: the chat template)")
     skip_bad_lines: bool = option(False, "--ppl: skip and count malformed lines")
 
 
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             report = ev.sweep(spec, sweep_texts, sweep)
             print(report.table(), flush=True)
             if sweep.out:
-                report.write_json(sweep.out, ev.tok.decode, checkpoint=task.checkpoint, stage=ev.stage)
+                report.write_json(sweep.out, ev.tok.decode, checkpoint=task.checkpoint, prompt_format=ev.prompt_format)
                 note(f"wrote {sweep.out}")
             if sweep.plot:
                 report.plot(sweep.plot, f"{Path(task.checkpoint).resolve().name}: decoding sweep of {spec.parameter}")
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         elif task.prompt:
             for text in task.prompt:
                 # SFT: the question, then the streamed answer; pretrain: the prompt continued in place
-                print(f">>> {text}" if ev.stage == "sft" else text, end="\n" if ev.stage == "sft" else "", flush=True)
+                print(f">>> {text}" if ev.chat else text, end="\n" if ev.chat else "", flush=True)
                 ev.complete([ev.prompt_ids(text)], stream=True)
         else:
             ev.chat()

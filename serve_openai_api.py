@@ -53,12 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: listening on {server.host} without --api_key: anyone who can reach this port can use "
               "the model", file=sys.stderr)
     cfg, engine = service.engine.model.config, service.engine
-    endpoint = "/v1/chat/completions" if service.stage == "sft" else "/v1/completions"
-    print(f"serving {service.name} ({service.model_dir}, stage {service.stage}, "
+    endpoint = "/v1/chat/completions" if service.prompt_format == "chat" else "/v1/completions"
+    print(f"serving {service.name} ({service.model_dir}, prompt format {service.prompt_format}, "
           f"{engine.model.num_parameters() / 1e6:.2f}M params, {engine.device}, "
           f"{dtype_name(engine.dtype)}, context {service.context}/{cfg.max_position_embeddings}, "
           f"max_batch_size {engine.max_batch_size}) on http://{host}:{port}{endpoint}"
-          + (f"; chat page: http://{host}:{port}/" if service.stage == "sft" else ""), file=sys.stderr, flush=True)
+          + (f"; chat page: http://{host}:{port}/" if service.prompt_format == "chat" else ""), file=sys.stderr,
+          flush=True)
     app = create_app(service, api_key=api_key, max_body_bytes=server.max_body_bytes)
     try:
         # uvicorn shuts down gracefully on SIGINT / SIGTERM (the engine fails what is still in flight), then

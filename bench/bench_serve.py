@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
         proc, url, banner = start_server(checkpoint, args.max_batch_size, args.threads, args.timeout)
         try:
             model_dir = resolve_model_dir(checkpoint)
-            chat = read_train_info(model_dir)["stage"] == "sft"  # the stage decides the endpoint, as in the server
+            chat = read_train_info(model_dir)["prompt_format"] == "chat"  # it decides the endpoint, as in the server
             vocab = ModelConfig.load(model_dir / "config.json").vocab_size
             g = torch.Generator().manual_seed(0)
             # chat: a message of about prompt_len tokens; text: exactly prompt_len random token ids (no specials)

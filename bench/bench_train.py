@@ -9,8 +9,8 @@ For every (preset, dtype, compile, optimizer) it measures
     and optimizer_frac, its share of the bare step);
   - the real loop: train_pretrain.py in-process on the bundled corpus (data feeding, logging, bookkeeping);
 each as the fastest of --repeats blocks of equal length. Muon's rows also get vs_adamw: their bare and loop step
-times over AdamW's in the same setting (the README's goals: <= 1.3 on the demo recipe, <= 1.5 on minimind-26m
-at 8 x 512 tokens, on any CPU). --recipe takes the model shape, context and batch size of a training recipe
+times over AdamW's in the same setting (the goals in docs/precision.md: <= 1.3 on the demo recipe, <= 1.5 on
+minimind-26m at 8 x 512 tokens, on any CPU). --recipe takes the model shape, context and batch size of a training recipe
 instead of --presets. --dtypes auto is the precision policy's choice for this device (common/device.py): bf16
 where it is native, fp32 on CPUs without it, where a bf16 row would only time emulation; each row says why.
 It reports both step times, the loop overhead (the share of the loop's step time spent outside
@@ -22,7 +22,7 @@ memory (CUDA allocations, or the process's peak RSS).
 Mixture-of-experts presets also report the dispatch share: the time one MoE layer's forward + backward spends
 outside its experts' matmuls (routing, sorting, gathering and combining the tokens), times the layers, over the
 bare step time. And a MoE preset measured beside a dense preset with the same active parameters (e.g.
-minimind-26m-moe and minimind-26m) gets their bare step-time ratio, which the README's target keeps below 1.3:
+minimind-26m-moe and minimind-26m) gets their bare step-time ratio, which docs/moe.md's target keeps below 1.3:
 
     python bench/bench_train.py --presets minimind-26m minimind-26m-moe --dtypes bfloat16 --compile off
 """
@@ -54,11 +54,11 @@ from model.config import get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
 from trainer_utils.config import TrainConfig, parse_train_config  # noqa: E402
-from trainer_utils.loop import Trainer
-from trainer_utils.session import new_model_config  # noqa: E402
+from trainer_utils.loop import Trainer  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
 from trainer_utils.runtime import Precision  # noqa: E402
+from trainer_utils.session import new_model_config  # noqa: E402
 
 
 def cpu_model() -> str:

@@ -21,6 +21,11 @@ from .mixture import Mixture
 from .preference import PreferenceDataset
 from .tokenizer import Tokenizer
 
+# The kinds of training records: raw text ({"text"}), conversations ({"conversations"}) and preference pairs
+# ({"chosen", "rejected"}). The values name the token caches on disk (and `--kind`), so they stay as they were.
+TEXT, CONVERSATIONS, PAIRS = "pretrain", "sft", "dpo"
+DATA_KINDS = (TEXT, CONVERSATIONS, PAIRS)
+
 
 @dataclass(frozen=True)
 class DataSource:
@@ -93,7 +98,7 @@ def prepare_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len:
     """The token cache of each --data_path file (built if missing or stale). Pretraining caches do not depend
     on the context length (windows are cut at read time); SFT and DPO caches do, since overlong examples are cut
     or dropped while tokenizing."""
-    extra = {"max_seq_len": max_seq_len, "overlong": data.overlong} if kind in ("sft", "dpo") else {}
+    extra = {"max_seq_len": max_seq_len, "overlong": data.overlong} if kind != TEXT else {}
     return [(source, prepare(source.path, tokenizer, kind, data.val_fraction, data.split_seed, data.num_workers,
                              data.skip_bad_lines, data.cache_dir, log=log, **extra))
             for source in data.sources()]
@@ -126,9 +131,9 @@ def training_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len
                   seed: int, log: Callable[[str], None] = print) -> TrainingData:
     """Prepare every --data_path file and build the training order the loop walks (see dataset/mixture.py)."""
     def make(cache: TokenCache, split: str) -> Any:
-        if kind == "sft":
+        if kind == CONVERSATIONS:
             return SFTDataset(cache, split, batch_size, seed, tokenizer.pad_id)
-        if kind == "dpo":
+        if kind == PAIRS:
             return PreferenceDataset(cache, split, batch_size, seed, tokenizer.pad_id)
         return PretrainDataset(cache, split, max_seq_len, seed)
 
@@ -152,7 +157,7 @@ def training_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len
             val.append(ValSet(name, weight, v))
     # one source: its own order, exactly as without mixing; several: drawn by weight (SFT and DPO in whole
     # batches, so each batch comes from one file)
-    unit = batch_size if kind in ("sft", "dpo") else 1
+    unit = batch_size if kind != TEXT else 1
     train = parts[0] if len(parts) == 1 else Mixture(parts, weights, unit, seed, names)
     info = [{"path": s.path, "name": n, "weight": round(w, 6), "train_samples": len(p)}
             for s, n, w, p in zip(sources, names, weights, parts)]

@@ -1,4 +1,4 @@
-"""`python -m model` prints the preset table (shapes and parameter counts) shown in the README. With --estimate it
+"""`python -m model` prints the preset table (shapes and parameter counts) shown in docs/model.md. With --estimate it
 prints the memory one training step needs instead (model/memory.py explains the formula):
 
     python -m model --estimate --preset minimind-26m --batch_size 8 --max_seq_len 512 --dtype bfloat16

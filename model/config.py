@@ -53,7 +53,7 @@ class ModelConfig:
     # experts' router probabilities to sum to 1 (refused with top-1: every weight would be 1 and the router would
     # get no gradient from the language-model loss). The router_* coefficients are training choices: the
     # load-balancing loss (1.0 when perfectly balanced), the router z-loss, and the step size of the
-    # auxiliary-loss-free balancing bias (0 = off). See README "Mixture of experts".
+    # auxiliary-loss-free balancing bias (0 = off). See docs/moe.md.
     num_experts: int = 0
     num_experts_per_tok: int = 2
     num_shared_experts: int = 0
@@ -287,7 +287,7 @@ def model_name(config: ModelConfig) -> str:
 
 
 def preset_table() -> str:
-    """Markdown table of the presets' shapes and parameter counts (pasted into the README)."""
+    """Markdown table of the presets' shapes and parameter counts (pasted into docs/model.md)."""
     rows = ["| preset | style | d_model | layers | heads (kv) | ffn | vocab | ctx | RoPE θ | params | non-embedding "
             "| active |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in PRESETS:

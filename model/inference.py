@@ -1,7 +1,7 @@
 """Inference helpers shared by eval_model.py: run metadata, device/dtype choice, streaming decode, prompt
 fitting and perplexity scoring.
 
-Nothing here imports `dataset/` (model and dataset never import each other; README, "Repository layout"):
+Nothing here imports `dataset/` (model and dataset never import each other; docs/layout.md):
 tokenizer-dependent steps take callables or token ids, and the byte length of each token is read straight
 from the checkpoint's tokenizer.json.
 """
@@ -26,24 +26,31 @@ from .generate import generate
 from .model import PocketLM, set_attention_policy
 from .stats import RouterLoad
 
-STAGES = ("pretrain", "sft")
+# How a checkpoint is prompted: raw text continued, or conversations through the chat template. Checkpoints
+# written before this key existed say it as their "stage" (pretrain / sft).
+PROMPT_FORMATS = ("text", "chat")
+LEGACY_STAGES = {"pretrain": "text", "sft": "chat"}
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode shows for an incomplete multi-byte character
 IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------------ run metadata
 def read_train_info(model_dir: str | Path) -> dict:
-    """The checkpoint's train_info.json; {"stage": "pretrain"} when there is none (e.g. an imported model)."""
+    """The checkpoint's train_info.json, its "prompt_format" always set (from an older checkpoint's "stage");
+    {"prompt_format": "text"} when there is none (e.g. an imported model)."""
     path = Path(model_dir) / TRAIN_INFO_NAME
     if not path.is_file():
-        return {"stage": "pretrain"}
+        return {"prompt_format": "text"}
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
-    if not isinstance(info, dict) or info.get("stage") not in STAGES:
-        stage = info.get("stage") if isinstance(info, dict) else None
-        raise CheckpointError(f"{path}: expected an object with \"stage\" in {list(STAGES)}, got stage {stage!r}")
+    if isinstance(info, dict) and "prompt_format" not in info and info.get("stage") in LEGACY_STAGES:
+        info["prompt_format"] = LEGACY_STAGES[info["stage"]]
+    if not isinstance(info, dict) or info.get("prompt_format") not in PROMPT_FORMATS:
+        got = info.get("prompt_format", info.get("stage")) if isinstance(info, dict) else None
+        raise CheckpointError(f"{path}: expected an object with \"prompt_format\" in {list(PROMPT_FORMATS)}, got "
+                              f"{got!r}")
     return info
 
 
@@ -53,7 +60,7 @@ class DeviceConfig:
 
     title: ClassVar[str] = "precision and devices"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", "number format; auto asks the device's precision policy (README \"Precision\"): training "
+        "auto", "number format; auto asks the device's precision policy (docs/precision.md): training "
                 "autocasts to bf16 where it is native (Ampere+ GPUs, CPUs with AVX512-BF16/AMX), fp16 with loss "
                 "scaling on older GPUs, else fp32; evaluation and serving use bf16 weights on GPUs with native "
                 "bf16, else fp32")

@@ -35,7 +35,7 @@ def plan(pretrain_steps: int, sft_steps: int) -> tuple[int, int, str | None]:
     return (*short, f"note: {policy.reason}: the demo trains {short[0]} pretraining and {short[1]} SFT steps "
                     f"instead of {pretrain_steps} and {sft_steps}, to stay within 10 minutes on 2 cores "
                     "(make demo DEMO_PRETRAIN_STEPS=N DEMO_SFT_STEPS=M trains those; the losses will be higher "
-                    "than the README's)")
+                    "than docs/demo.md's)")
 
 
 def main(argv: list[str] | None = None) -> int:

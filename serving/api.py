@@ -63,11 +63,12 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' d
 
 @dataclass
 class Service:
-    """What the API serves: the engine (which owns the model), the tokenizer, the stage and the model's name."""
+    """What the API serves: the engine (which owns the model), the tokenizer, the prompt format and the model's
+    name."""
 
     engine: Engine
     tokenizer: Tokenizer
-    stage: str  # "sft": chat completions; "pretrain": text completions
+    prompt_format: str  # "chat": chat completions; "text": text completions
     name: str
     created: int  # when the checkpoint was written (the model card's `created`)
     model_dir: Path
@@ -78,12 +79,13 @@ class Service:
 
 
 def load_service(config: ServeConfig, device: torch.device) -> Service:
-    """Load the checkpoint as eval_model.py does (stage from train_info.json, the checkpoint's tokenizer) and
+    """Load the checkpoint as eval_model.py does (prompt format from train_info.json, the checkpoint's
+    tokenizer) and
     wrap it in an engine (not started)."""
     m = config.model
     dtype = choose_dtype(config.device.dtype, device, "inference").dtype
     model, model_dir = load_model(m.checkpoint, device=device, dtype=dtype)
-    stage = m.stage or read_train_info(model_dir)["stage"]
+    prompt_format = m.prompt_format or read_train_info(model_dir)["prompt_format"]
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     if not has_tokenizer:
         logger.warning("%s has no tokenizer.json; using the default tokenizer", model_dir)
@@ -98,7 +100,7 @@ def load_service(config: ServeConfig, device: torch.device) -> Service:
                     max_model_len=m.max_model_len)
     name = m.model_name or Path(m.checkpoint).resolve().name
     created = int((model_dir / "config.json").stat().st_mtime) if (model_dir / "config.json").exists() else 0
-    return Service(engine, tok, stage, name, created, model_dir)
+    return Service(engine, tok, prompt_format, name, created, model_dir)
 
 
 def create_app(service: Service, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
@@ -150,11 +152,11 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
 
     def model_card() -> dict:
         return {"id": service.name, "object": "model", "created": service.created, "owned_by": "pocketlm",
-                "stage": service.stage, "max_model_len": service.context}
+                "prompt_format": service.prompt_format, "max_model_len": service.context}
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": service.name, "stage": service.stage, **engine.snapshot()}
+        return {"status": "ok", "model": service.name, "prompt_format": service.prompt_format, **engine.snapshot()}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def list_models() -> dict:
@@ -169,7 +171,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json(request, max_body_bytes))
         check_request(req)
-        if service.stage != "sft":
+        if service.prompt_format != "chat":
             raise APIError(400, f"{service.name} is a pretrain checkpoint: it continues raw text and was not trained "
                                 "on the chat format; use /v1/completions", param="messages", code="wrong_endpoint")
         if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
@@ -182,7 +184,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await read_json(request, max_body_bytes))
         check_request(req)
-        if service.stage == "sft":
+        if service.prompt_format == "chat":
             raise APIError(400, f"{service.name} is an SFT (chat) checkpoint: send conversations to "
                                 "/v1/chat/completions", param="prompt", code="wrong_endpoint")
         limit = engine.max_batch_size + engine.max_queue

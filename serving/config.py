@@ -19,8 +19,8 @@ class ServedModel:
                                     metavar="DIR")
     model_name: str | None = option(None, "the model's id in the API (/v1/models, the requests' \"model\"); "
                                           "default: the checkpoint directory's name", metavar="NAME")
-    stage: Literal["pretrain", "sft"] | None = option(
-        None, "override train_info.json's stage: sft checkpoints answer /v1/chat/completions, pretrain ones "
+    prompt_format: Literal["text", "chat"] | None = option(
+        None, "override train_info.json's prompt format: chat checkpoints answer /v1/chat/completions, text ones "
               "/v1/completions")
     max_model_len: int | None = option(None, "longest prompt + completion in tokens (default: the model's "
                                              "max_position_embeddings); bounds the KV cache's memory", at_least=2)

@@ -91,14 +91,14 @@ def test_a_student_learns_from_a_wider_deeper_teacher(corpus, tmp_path, teacher)
     model, model_dir = load_model(tmp_path / "student")
     assert model.config.hidden_size == 64  # the student's own shape
     info = json.loads((model_dir / "train_info.json").read_text())
-    assert (info["stage"], info["method"]) == ("pretrain", "distill")
+    assert (info["prompt_format"], info["method"]) == ("text", "distill")
 
 
 def test_distillation_on_conversations_saves_a_chat_checkpoint(corpus, tmp_path, teacher):
     assert train_distillation.main(flags(corpus, tmp_path, "student", data_path=corpus["sft"], teacher=teacher,
                                          max_steps=2, alpha=0.2, temperature=2.0)) == 0
     info = json.loads((load_model(tmp_path / "student")[1] / "train_info.json").read_text())
-    assert (info["stage"], info["method"]) == ("sft", "distill")
+    assert (info["prompt_format"], info["method"]) == ("chat", "distill")
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(corpus, tmp_path, teacher, capsys):

@@ -58,7 +58,7 @@ def test_first_step_is_ln_2_and_the_reference_is_cached_by_its_weights(pairs, tm
     assert train_dpo.main(dpo_flags(pairs, tmp_path, tmp_path / "dpo", "from_dpo", max_steps=1)) == 0
     assert "computed once" in capsys.readouterr().err and len(reference_files(pairs)) == 4
     info = json.loads((load_model(tmp_path / "dpo")[1] / "train_info.json").read_text())
-    assert (info["stage"], info["method"]) == ("sft", "dpo")
+    assert (info["prompt_format"], info["method"]) == ("chat", "dpo")
 
 
 def test_reward_accuracy_rises_on_the_demo_pairs(pairs, tmp_path, sft):

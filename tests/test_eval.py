@@ -84,7 +84,7 @@ def test_prompt_ids_use_chat_template_only_for_sft(tokenizer):
 def test_prompt_generates_what_the_stage_calls_for(runs, tokenizer, stage):
     res = _eval("--checkpoint", str(runs[stage]), "--prompt", "Once upon a time", *GREEDY)
     assert res.returncode == 0, res.stderr
-    assert f"stage {stage}" in res.stderr
+    assert f"prompt format {'chat' if stage == 'sft' else 'text'}" in res.stderr
     ids = tokenizer.prompt_ids("Once upon a time", chat=stage == "sft")
     eos = [tokenizer.im_end_id, tokenizer.eot_id] if stage == "sft" else [tokenizer.eot_id]
     shown = ">>> Once upon a time\n" if stage == "sft" else "Once upon a time"  # question / text continued
@@ -270,13 +270,22 @@ def test_score_windows_computes_the_loss_in_fp32_for_a_bf16_model():
 
 
 def test_read_train_info(tmp_path):
-    assert read_train_info(tmp_path) == {"stage": "pretrain"}
+    assert read_train_info(tmp_path) == {"prompt_format": "text"}
     (tmp_path / "train_info.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="train_info.json"):
         read_train_info(tmp_path)
     (tmp_path / "train_info.json").write_text('{"stage": "rlhf"}')
-    with pytest.raises(CheckpointError, match="stage"):
+    with pytest.raises(CheckpointError, match="prompt_format.*'rlhf'"):
         read_train_info(tmp_path)
+    (tmp_path / "train_info.json").write_text('{"prompt_format": "chat", "method": "dpo"}')
+    assert read_train_info(tmp_path)["prompt_format"] == "chat"
+
+
+@pytest.mark.parametrize("stage, prompt_format", [("pretrain", "text"), ("sft", "chat")])
+def test_checkpoints_written_before_prompt_format_keep_loading(tmp_path, stage, prompt_format):
+    """Older checkpoints named the prompt format by the stage that wrote it."""
+    (tmp_path / "train_info.json").write_text(json.dumps({"stage": stage, "step": 4}))
+    assert read_train_info(tmp_path)["prompt_format"] == prompt_format
 
 
 # ----------------------------------------------------------------------------- errors

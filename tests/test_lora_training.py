@@ -52,7 +52,7 @@ def test_only_the_adapters_train_and_are_saved(corpus, tmp_path, base):
     assert sum(v["exp_avg"].numel() for v in state["optimizer"]["state"].values()) == sum(v.numel()
                                                                                           for v in saved.values())
     info = json.loads((ckpt / "train_info.json").read_text())
-    assert (info["stage"], info["method"]) == ("sft", "lora")
+    assert (info["prompt_format"], info["method"]) == ("chat", "lora")
 
 
 def test_a_lora_run_resumes_bit_exactly(corpus, tmp_path, base, monkeypatch):

@@ -38,11 +38,11 @@ from model.memory import (
 from trainer_utils.backend import Comm, TorchBackend
 from trainer_utils.config import ModelOptions
 from trainer_utils.loop import Trainer
-from trainer_utils.session import new_model_config
 from trainer_utils.objectives import LanguageModeling
 from trainer_utils.optim import build_optimizer
 from trainer_utils.routing import RouterBalance
 from trainer_utils.runtime import Precision
+from trainer_utils.session import new_model_config
 
 from conftest import ROOT, strict_records
 
@@ -289,7 +289,7 @@ needs_fast_bf16 = pytest.mark.skipif(not capabilities(torch.device("cpu")).bf16,
 @pytest.mark.slow
 @needs_fast_bf16
 def test_estimate_of_a_real_preset():
-    """minimind-26m at batch 8 x 512 in bf16, the README's example (about 45 s and 2 GiB on 2 CPU cores)."""
+    """minimind-26m at batch 8 x 512 in bf16, docs/model.md's example (about 45 s and 2 GiB on 2 CPU cores)."""
     cfg = get_preset("minimind-26m")
     est = estimate_memory(cfg, 8, 512, "bfloat16", name="minimind-26m")
     measured = measured_step_peak(TrainingStep(cfg, 8, 512, "bfloat16"))

@@ -275,4 +275,4 @@ def test_readme_preset_table_is_current():
     from model.config import preset_table
 
     from conftest import ROOT
-    assert preset_table() in (ROOT / "docs/model.md").read_text(), "docs/model.md preset table is stale: run python -m model"
+    assert preset_table() in (ROOT / "docs/model.md").read_text(), "stale preset table in docs/model.md"

@@ -298,8 +298,8 @@ def test_overlong_is_a_setting_of_sft_and_dpo_runs_only():
     overlong = settings(CacheConfig)["overlong"]
     assert overlong.applies_to(STAGES["dpo"]) and overlong.applies_to(STAGES["sft"])
     assert not overlong.applies_to(STAGES["pretrain"])
-    assert parse_config(CacheConfig, ["--data_path", "p.jsonl", "--overlong", "drop"], scope=STAGES["dpo"]).data.overlong \
-        == "drop"
+    config = parse_config(CacheConfig, ["--data_path", "p.jsonl", "--overlong", "drop"], scope=STAGES["dpo"])
+    assert config.data.overlong == "drop"
 
 
 # ------------------------------------------------------------------------ training_data

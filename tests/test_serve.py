@@ -267,7 +267,7 @@ def test_models_and_health(chat):
     with pytest.raises(openai.NotFoundError):
         chat.client.models.retrieve("gpt-4")
     h = health(chat)  # no key needed
-    assert h["status"] == "ok" and h["stage"] == "sft" and h["max_batch_size"] == 4
+    assert h["status"] == "ok" and h["prompt_format"] == "chat" and h["max_batch_size"] == 4
 
 
 def test_chat_completion_and_its_stream_agree(chat):

@@ -160,7 +160,7 @@ def test_a_sweep_writes_table_json_and_plot_and_repeats_exactly(run, tmp_path, c
     doc = _sweep(run, tmp_path, "a", "temperature=0.5:1.5:0.5", "--plot", str(png), "--max_repeat", "0.2")
     table = capsys.readouterr().out
 
-    assert doc["checkpoint"] == str(run) and doc["stage"] == "pretrain"
+    assert doc["checkpoint"] == str(run) and doc["prompt_format"] == "text"
     assert doc["parameter"] == "temperature" and doc["values"] == [0.5, 1.0, 1.5]
     assert doc["fixed"] == {"top_k": 0, "top_p": 0.9, "repetition_penalty": 1.1, "max_new_tokens": 12}
     assert doc["seed"] == 0 and doc["samples_per_prompt"] == 3 and doc["max_repeat"] == 0.2

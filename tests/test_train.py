@@ -202,7 +202,7 @@ def test_sft_from_pretrain_checkpoint(corpus, tmp_path):
                                    max_steps=4, max_seq_len=64, preset=None))
     assert rc == 0
     info = json.loads((tmp_path / "sft/checkpoints/step_00000004/train_info.json").read_text())
-    assert info["stage"] == "sft" and info["step"] == 4
+    assert info["prompt_format"] == "chat" and info["step"] == 4 and "stage" not in info
     pre, sft = weights(tmp_path / "pre"), weights(tmp_path / "sft")
     assert not torch.equal(pre["embed_tokens.weight"], sft["embed_tokens.weight"])
 

@@ -3,7 +3,7 @@ against a real server (tests/test_serve.py's `serve`: uvicorn in a thread on a f
 
 The browser is installed when it is missing and this process can (root with apt-get: once per session, about a
 minute); otherwise the browser tests skip, or fail when POCKETLM_REQUIRE_BROWSER=1 (CI). Screenshots are written
-under each test's tmp dir and copied to $POCKETLM_SCREENSHOT_DIR when it is set. The README's screenshot:
+under each test's tmp dir and copied to $POCKETLM_SCREENSHOT_DIR when it is set. The screenshot in docs/serving.md:
 
     python tests/test_web_chat.py [--checkpoint out/demo-sft] [--out docs/web-chat.png]
 """
@@ -78,9 +78,9 @@ def test_the_page_is_served_without_a_key_and_loads_nothing_from_elsewhere(chat)
         if path.suffix == ".js":
             assert not re.search(r"\.(inner|outer)HTML\s*=|insertAdjacentHTML|document\.write", text)  # text only
     # what the page reads: the model's name and stage, with and without the key
-    assert httpx.get(f"{chat.url}/health").json()["stage"] == "sft"
+    assert httpx.get(f"{chat.url}/health").json()["prompt_format"] == "chat"
     [card] = httpx.get(f"{chat.url}/v1/models", headers=auth()).json()["data"]
-    assert (card["id"], card["stage"]) == ("chat-model", "sft")
+    assert (card["id"], card["prompt_format"]) == ("chat-model", "chat")
 
 
 def auth(key: str = KEY) -> dict[str, str]:
@@ -266,7 +266,7 @@ def health(s) -> dict:
 @pytest.mark.slow  # starts chromium
 def test_a_streamed_multi_turn_conversation_is_the_apis_greedy_conversation(chat, browser, tmp_path):
     page = ChatPage(browser, chat.url).open()
-    assert page.text("model-name") == "chat-model" and page.text("model-stage") == "(sft)"
+    assert page.text("model-name") == "chat-model" and page.text("model-format") == "(chat)"
     assert page.js("return document.characterSet") == "UTF-8" and not page.error()
     # nothing but this server was asked for anything
     resources = page.js("return performance.getEntriesByType('resource').map(e => e.name)")
@@ -358,12 +358,12 @@ def test_a_pretrain_checkpoint_says_it_needs_an_sft_checkpoint(runs, browser):
     with serve(runs["pretrain"], api_key=None) as s:
         page = ChatPage(browser, s.url).open(key=None)
         page.wait(lambda: not page.js("return document.getElementById('notice').hidden"))
-        assert page.text("model-name") == "text-model" and page.text("model-stage") == "(pretrain)"
+        assert page.text("model-name") == "text-model" and page.text("model-format") == "(text)"
         assert "needs an SFT checkpoint" in page.text("notice")
         assert not page.el("send").is_enabled() and not page.el("prompt").is_enabled()
 
 
-# ------------------------------------------------------------------------------ the README's screenshot
+# ------------------------------------------------------------------------------ docs/serving.md's screenshot
 def readme_screenshot(checkpoint: Path, out: Path) -> None:
     """A short English and Chinese conversation with `checkpoint` (sampled as the page's defaults sample),
     saved as a small PNG."""

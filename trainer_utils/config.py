@@ -1,7 +1,7 @@
 """The training configuration: typed groups (data, model, optimization, precision/devices, output/logging,
 evaluation) that every training script shares, with MiniMind's flag names. Stages (trainer_utils/stages) differ
-in their defaults and in the optional settings they have (a setting's `feature`: "lora", "dpo", "distill",
-"conversations").
+in their defaults and in the optional settings they have (a setting's `feature`: adapters for LoRA, preference
+for DPO, teacher for distillation, conversations for chat data).
 
     python train_pretrain.py --config recipes/minimind-26m-pretrain.yaml --max_steps 100
 
@@ -42,13 +42,13 @@ class ModelOptions:
                                          "effect with --init_from too", at_least=0, below=1)
     init_from: str | None = option(None, "start from the weights of this run / checkpoint / model dir",
                                  metavar="DIR")
-    # architecture switches and an init choice of a new model (README "The model"), refused with --init_from
+    # architecture switches and an init choice of a new model (docs/model.md), refused with --init_from
     rope_theta: float | None = option(None, "RoPE base frequency (default: the preset's, 10000)", above=0)
     qk_norm: bool | None = option(None, "RMSNorm of each head's queries and keys before RoPE (Qwen3, OLMo 2): "
                                         "bounds attention logits for higher learning rates; exports as Qwen3")
     zero_init_residual: bool | None = option(None, "start the blocks' output projections (o_proj, down_proj) at "
                                                    "zero, so each block starts as the identity (modded-nanogpt)")
-    # mixture of experts (README "Mixture of experts"): the shape of a new model's MoE layers
+    # mixture of experts (docs/moe.md): the shape of a new model's MoE layers
     num_experts: int | None = option(None, "routed experts per block, 0 = a dense MLP (default: the preset's)",
                                      at_least=0)
     num_experts_per_tok: int | None = option(None, "experts each token is routed to (top-k)", at_least=1)
@@ -100,7 +100,7 @@ class OptimConfig:
                                  at_least=0)
     optimizer: Literal["auto", "adamw", "muon", "sgd"] = option(
         "adamw", "optimizer. muon: Muon on the blocks' weight matrices, AdamW on embeddings, norms, biases and "
-                 "head; auto: muon, except adamw under --deepspeed (README \"Muon\")")
+                 "head; auto: muon, except adamw under --deepspeed (docs/training.md, \"Recipe: Muon and QK-norm\")")
     beta1: float = option(0.9, "AdamW beta1", at_least=0, below=1)
     beta2: float = option(0.95, "AdamW beta2", at_least=0, below=1)
     adam_eps: float = option(1e-8, "AdamW epsilon", above=0)
@@ -194,13 +194,13 @@ class LoraOptions:
 
     title: ClassVar[str] = "LoRA"
     lora_rank: int = option(0, "adapter rank; 0 trains every weight instead (train_lora.py: 16)", at_least=0,
-                            feature="lora")
+                            feature="adapters")
     lora_alpha: float = option(32.0, "adapter scale: updates are multiplied by lora_alpha / lora_rank", above=0,
-                               feature="lora")
+                               feature="adapters")
     lora_targets: list[str] = option(["q_proj", "k_proj", "v_proj", "o_proj"], "projections that get adapters "
                                      "(also gate_proj, up_proj, down_proj)", several=True, metavar="NAME",
-                                     feature="lora")
-    lora_dropout: float = option(0.0, "dropout on the adapters' input", at_least=0, below=1, feature="lora")
+                                     feature="adapters")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input", at_least=0, below=1, feature="adapters")
 
 
 @dataclass
@@ -209,15 +209,15 @@ class ObjectiveOptions:
 
     title: ClassVar[str] = "objective"
     beta: float = option(0.1, "DPO: how strongly the policy is held to the reference (larger: closer)", above=0,
-                         feature="dpo")
+                         feature="preference")
     label_smoothing: float = option(0.0, "DPO: share of preference labels assumed wrong (conservative DPO)",
-                                    at_least=0, below=0.5, feature="dpo")
+                                    at_least=0, below=0.5, feature="preference")
     teacher: str | None = option(None, "distillation: the teacher's run, checkpoint or model dir (required; same "
-                                       "tokenizer, any size)", metavar="DIR", feature="distill")
+                                       "tokenizer, any size)", metavar="DIR", feature="teacher")
     alpha: float = option(0.5, "distillation: weight of the labels' cross-entropy; the teacher's KL gets 1 - alpha",
-                          at_least=0, at_most=1, feature="distill")
+                          at_least=0, at_most=1, feature="teacher")
     temperature: float = option(1.5, "distillation: softmax temperature of teacher and student (KL scaled by T^2)",
-                                above=0, feature="distill")
+                                above=0, feature="teacher")
 
 
 @dataclass

@@ -188,8 +188,8 @@ class Trainer:
                      "rng": rng_state(), "world_size": backend.world_size, "tokenizer_sha256": s.tokenizer.sha256,
                      "config": to_dict(self.config, s.stage),
                      **{c.name: c.state_dict() for c in self.components if c.name}}
-            # "stage" is how the checkpoint is prompted (raw text or chat), "method" how it was trained
-            info = {"stage": "sft" if s.chat else "pretrain", "method": s.stage.name,
+            # how the checkpoint is prompted, and which stage trained it
+            info = {"prompt_format": "chat" if s.chat else "text", "method": s.stage.name,
                     "tokens_seen": self.state.tokens_seen, "val_loss": self.val_loss,
                     "dtype": dtype_name(self.precision.dtype)}
             if s.fallbacks:

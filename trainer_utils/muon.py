@@ -16,7 +16,7 @@ before 2.9 lacks.
 Batching equal-shaped matrices into one bmm per shape was measured and not adopted: on a 2-core AMX Xeon it
 was no faster for the 26M model in bf16 (0.41 s against 0.39 s per step) and would no longer match
 torch.optim.Muon bit for bit, and in fp32 the iteration is compute-bound (~280 GFLOP per 26M step at the
-matmul peak), where batching saves nothing (README "Precision and devices").
+matmul peak), where batching saves nothing (docs/precision.md).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 from common.device import DTYPES, choose_dtype, dtype_name
 from common.errors import CheckpointError, ConfigError, TokenizerError
 from common.files import shipped_path
-from dataset.config import training_data
+from dataset.config import TEXT, training_data
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
 from model.config import architecture, model_name, reshape_preset
@@ -122,7 +122,7 @@ class Session:
             if self.env.rank == 0:
                 shutil.rmtree(self.run_dir)
         self.kind = self.stage.data_kind(config.data)
-        self.chat = self.kind != "pretrain"  # samples, probes and the saved checkpoints use the chat template
+        self.chat = self.kind != TEXT  # samples, probes and the saved checkpoints use the chat template
         self.data = training_data(config.data, self.tokenizer, self.kind, self.max_seq_len, config.optim.batch_size,
                                   config.optim.seed, log=lambda msg: print(msg, file=sys.stderr))
         self.train_data, self.val_sets = self.data.train, self.data.val

@@ -33,7 +33,7 @@ async function apiError(response) {
   return new Error(message);
 }
 
-// The model's name and stage: /v1/models when it answers (it needs the key when the server has one), else
+// The model's name and prompt format: /v1/models when it answers (it needs the key when the server has one), else
 // /health (always open), so the page can show what it serves before a key is entered.
 async function loadModel() {
   const load = ++state.loads;
@@ -43,7 +43,7 @@ async function loadModel() {
     if (!r.ok) throw await apiError(r);
     const card = (await r.json()).data[0];
     if (load !== state.loads) return;
-    showModel(card.id, card.stage);
+    showModel(card.id, card.prompt_format);
     clearError();
     return;
   } catch (e) {
@@ -52,19 +52,19 @@ async function loadModel() {
   try {
     const health = await (await fetch("/health")).json();
     if (load !== state.loads) return;
-    showModel(health.model, health.stage);
+    showModel(health.model, health.prompt_format);
   } catch (e) { /* the server is gone: the error below says why */ }
   if (load === state.loads) showError(problem.message);
 }
 
-function showModel(name, stage) {
+function showModel(name, promptFormat) {
   state.model = name;
   $("model-name").textContent = name;
-  $("model-stage").textContent = stage ? `(${stage})` : "";
-  const chat = stage !== "pretrain";
-  // A pretrain checkpoint only continues text (/v1/completions): there is nothing to chat with.
+  $("model-format").textContent = promptFormat ? `(${promptFormat})` : "";
+  const chat = promptFormat !== "text";
+  // A text checkpoint only continues text (/v1/completions): there is nothing to chat with.
   $("notice").hidden = chat;
-  $("notice").textContent = chat ? "" : `${name} is a pretrain checkpoint: it continues raw text and has no chat ` +
+  $("notice").textContent = chat ? "" : `${name} is a text (pretrained) checkpoint: it continues raw text and has no chat ` +
     "endpoint. Chatting needs an SFT checkpoint: start serve_openai_api.py with --checkpoint out/<sft run> " +
     "(e.g. out/demo-sft from `make demo`).";
   for (const id of ["prompt", "send"]) $(id).disabled = !chat;

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dataset.config import TEXT
 from model.stats import layer_stats
 
 from ..data import eval_batches
@@ -36,7 +37,7 @@ class LayerStats(Component):
             return None
         x = next(eval_batches(s.val_sets[0].data, 2, 1, 0, 1))[0]
         x = x[:, :1024].to(trainer.device)
-        if s.kind == "pretrain":
+        if s.kind == TEXT:
             return x, None  # pretraining windows are never padded
         # SFT batches are right-padded: the trailing run of pad ids in each row
         real = (x != s.tokenizer.pad_id).flip(1).cumsum(1).flip(1) > 0

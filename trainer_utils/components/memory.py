@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from dataset.config import TEXT
 from model.config import model_name
 from model.memory import MemoryEstimate, estimate_memory, measure_step_peak
 
@@ -60,5 +61,5 @@ class MemoryCheck(Component):
         trainer.logger.log({"step": trainer.state.step, "memory_estimated_gb": round(self.estimate.peak / 2**30, 4),
                             "memory_measured_gb": round(measured / 2**30, 4)})
         note = ("; the estimate is for batches of --max_seq_len tokens, chat batches are as long as their longest "
-                "example" if trainer.session.kind != "pretrain" else "")
+                "example" if trainer.session.kind != TEXT else "")
         trainer.logger.message(self.estimate.summary(measured) + note)

@@ -1,7 +1,7 @@
 """What a training stage is: everything about it in one place, so the loop and the config never name one.
 
 A stage declares its data kind, its flag defaults, the optional settings it has (`features`: "lora" adds the
-LoRA flags, "dpo" DPO's, ...), what it needs before training (checks), what it minimises (`objective`), and
+LoRA flags, "preference" DPO's, ...), what it needs before training (checks), what it minimises (`objective`), and
 hooks into the one loop: `prepare` runs once before the first step (DPO's reference pass), `before_loss` sees
 each step's micro-batches before the loss (where rollouts would be sampled). The training scripts are one line
 each: `trainer_utils.loop.main(<stage>, argv, __doc__)`.
@@ -30,7 +30,9 @@ class Stage:
     name: ClassVar[str]  # in run names (<name>-<model>), train_config.json and train_info.json's "method"
     script: ClassVar[str]  # the entry point, for messages
     defaults: ClassVar[dict[str, Any]] = {}  # its flag defaults, over the dataclasses'
-    features: ClassVar[frozenset[str]] = frozenset()  # optional settings it has (common.config.Scope)
+    # optional settings it has (common.config.Scope): "adapters" (LoRA), "preference" (DPO), "teacher"
+    # (distillation), "conversations" (chat data)
+    features: ClassVar[frozenset[str]] = frozenset()
     needs_init: ClassVar[bool] = False  # trains on top of a trained model: --init_from is required
     memory_rows: ClassVar[int] = 1  # sequences per example in a batch, for the memory estimate
     estimates_memory: ClassVar[bool] = True  # whether python -m model --estimate describes its step
@@ -38,10 +40,10 @@ class Stage:
     @property
     def adapts(self) -> bool:
         """Whether it may train LoRA adapters instead of every weight."""
-        return "lora" in self.features
+        return "adapters" in self.features
 
     def data_kind(self, data: DataConfig) -> str:
-        """The records it trains on: "pretrain" (text), "sft" (conversations) or "dpo" (preference pairs)."""
+        """The records it trains on: dataset.config's TEXT, CONVERSATIONS or PAIRS."""
         raise NotImplementedError
 
     def check(self, config: TrainConfig) -> None:

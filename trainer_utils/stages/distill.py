@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from common.errors import ConfigError, TokenizerError
-from dataset.config import DataConfig
+from dataset.config import CONVERSATIONS, TEXT, DataConfig
 from dataset.jsonl import read_records
 from dataset.tokenizer import Tokenizer
 from model import ModelConfig
@@ -26,13 +26,13 @@ class Distill(Stage):
     name = "distill"
     script = "train_distillation.py"
     defaults: ClassVar[dict[str, Any]] = dict(data_path=SFT_DEMO, batch_size=16, learning_rate=5e-4)
-    features = frozenset({"conversations", "distill"})
+    features = frozenset({"conversations", "teacher"})
     estimates_memory = False  # the estimate is of one model; here a teacher runs beside it
 
     def data_kind(self, data: DataConfig) -> str:
         """Either kind, as the first file's first record shows."""
         _, first = next(read_records(data.sources()[0].path, "any", data.skip_bad_lines))
-        return "pretrain" if "text" in first else "sft"
+        return TEXT if "text" in first else CONVERSATIONS
 
     def check(self, config: TrainConfig) -> None:
         if config.objective.teacher is None:

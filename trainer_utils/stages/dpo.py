@@ -20,7 +20,7 @@ import torch
 
 from common.device import dtype_name
 from common.files import file_sha256, write_atomic
-from dataset.config import DataConfig
+from dataset.config import PAIRS, DataConfig
 from model.loading import ADAPTER_WEIGHTS_NAME, LORA_CONFIG_NAME, WEIGHTS_NAME, is_lora_dir, load_model
 
 from ..objectives import DPO, Objective, sequence_log_probs
@@ -45,12 +45,12 @@ class PreferenceOptimization(Stage):
     script = "train_dpo.py"
     defaults: ClassVar[dict[str, Any]] = dict(data_path=["dataset/demo/dpo_demo.jsonl"], batch_size=8,
                                               learning_rate=5e-6)
-    features = frozenset({"conversations", "lora", "dpo"})
+    features = frozenset({"conversations", "adapters", "preference"})
     needs_init = True
     memory_rows = 2  # a batch holds both answers of each pair
 
     def data_kind(self, data: DataConfig) -> str:
-        return "dpo"
+        return PAIRS
 
     def objective(self, session: Session, device: torch.device) -> Objective:
         return DPO(session.config.objective.beta, session.config.objective.label_smoothing)

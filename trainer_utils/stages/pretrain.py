@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from dataset.config import DataConfig
+from dataset.config import TEXT, DataConfig
 
 from .base import Stage
 
@@ -11,9 +11,9 @@ from .base import Stage
 class Pretrain(Stage):
     name = "pretrain"
     script = "train_pretrain.py"
-    # Muon learns more per token and per second than AdamW from scratch (README "Muon", dev/LOG.md)
+    # Muon learns more per token and per second than AdamW from scratch (docs/training.md, dev/LOG.md)
     defaults: ClassVar[dict[str, Any]] = dict(data_path=["dataset/demo/pretrain_demo.jsonl"], batch_size=32,
                                               learning_rate=5e-4, optimizer="auto")
 
     def data_kind(self, data: DataConfig) -> str:
-        return "pretrain"
+        return TEXT

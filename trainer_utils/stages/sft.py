@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dataset.config import DataConfig
+from dataset.config import CONVERSATIONS, DataConfig
 
 from .base import Stage
 
@@ -23,7 +23,7 @@ class SFT(Stage):
     features = frozenset({"conversations"})
 
     def data_kind(self, data: DataConfig) -> str:
-        return "sft"
+        return CONVERSATIONS
 
     def check_session(self, session: Session) -> None:
         if session.init_dir is None and session.resume_from is None:
@@ -35,7 +35,7 @@ class LoRA(SFT):
     script = "train_lora.py"
     # adapters start at zero and have few parameters: a larger step than full fine-tuning
     defaults: ClassVar[dict[str, Any]] = dict(data_path=SFT_DEMO, batch_size=16, learning_rate=1e-4, lora_rank=16)
-    features = frozenset({"conversations", "lora"})
+    features = frozenset({"conversations", "adapters"})
     needs_init = True
 
     def check_session(self, session: Session) -> None:

@@ -1,0 +1,120 @@
+"""Stages plug into the one loop: a stage defined entirely here trains, checkpoints and resumes through the public
+entry point, with its own defaults, features, objective and hooks; and the loop's code names no stage."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from dataset.config import DataConfig
+from dataset.tokenizer import IGNORE_INDEX
+from model.loading import resolve_model_dir
+from trainer_utils.loop import main
+from trainer_utils.objectives import Batch, LanguageModeling
+from trainer_utils.stages import STAGES, Stage
+
+from conftest import ROOT, cli_flags, read_metrics
+
+
+class FirstHalf(LanguageModeling):
+    """Next-token loss on the first half of each window only (the before_loss hook masks the rest)."""
+
+
+class FirstHalfStage(Stage):
+    """Pretraining text, learning only the first half of each window; counts its hook calls."""
+
+    name = "firsthalf"
+    script = "test_stages.py"
+    defaults = dict(batch_size=2, learning_rate=1e-3, optimizer="adamw")
+
+    def __init__(self) -> None:
+        self.prepared, self.steps = 0, 0
+
+    def data_kind(self, data: DataConfig) -> str:
+        return "pretrain"
+
+    def objective(self, session, device):
+        return FirstHalf()
+
+    def prepare(self, trainer) -> None:
+        self.prepared += 1
+
+    def before_loss(self, trainer, micro: list[Batch]) -> list[Batch]:
+        self.steps += 1
+        out = []
+        for x, y in micro:
+            y = y.clone()
+            y[:, y.shape[1] // 2:] = IGNORE_INDEX
+            out.append((x, y))
+        return out
+
+
+def toy_flags(corpus, tmp_path, **over) -> list[str]:
+    base = {"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": tmp_path, "preset": "tiny",
+            "max_seq_len": 32, "max_steps": 6, "dtype": "float32", "log_interval": 2, "eval_interval": 3,
+            "save_interval": 3, "num_workers": 0, "sample_prompts": "none"}
+    return cli_flags(base, **over)
+
+
+def test_a_stage_defined_in_a_test_trains_checkpoints_and_resumes(corpus, tmp_path):
+    stage = FirstHalfStage()
+    assert main(stage, toy_flags(corpus, tmp_path, max_steps=3), None) == 0
+    run = tmp_path / "firsthalf-tiny"  # the default run name is the stage's
+    config = json.loads((run / "train_config.json").read_text())
+    assert config["resolved"]["stage"] == "firsthalf" and config["optim"]["batch_size"] == 2  # its defaults
+    assert stage.prepared == 1 and stage.steps == 3
+    # the hook's masking reached the loss: half of each 32-token window is learned, 2 windows a step
+    assert [r["tokens_seen"] for r in read_metrics(run)] == [2 * 16 * 2, 3 * 16 * 2]
+    assert json.loads((resolve_model_dir(run) / "train_info.json").read_text())["method"] == "firsthalf"
+
+    assert main(stage, toy_flags(corpus, tmp_path, resume=True), None) == 0
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [2, 3, 4, 6] and records[-1]["tokens_seen"] == 6 * 16 * 2
+    assert stage.prepared == 2 and stage.steps == 6  # a resumed Trainer prepares again, steps on from 3
+
+
+def test_a_stage_has_only_the_settings_of_its_features(corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit):  # argparse: no --lora_rank without the "adapters" feature
+        main(FirstHalfStage(), toy_flags(corpus, tmp_path, lora_rank=4), None)
+    assert "--lora_rank" in capsys.readouterr().err
+
+    class Adapted(FirstHalfStage):
+        features = frozenset({"adapters"})
+        needs_init = True
+
+    assert main(Adapted(), toy_flags(corpus, tmp_path, lora_rank=4), None) == 2  # the flag exists; --init_from not
+    assert "test_stages.py trains on top of a trained model: pass --init_from" in capsys.readouterr().err
+
+
+def test_every_script_is_one_registered_stage():
+    scripts = {p.name for p in ROOT.glob("train_*.py")} - {"train_tokenizer.py"}
+    assert {s.script for s in STAGES.values()} == scripts
+    for stage in STAGES.values():
+        assert f'train("{stage.name}", argv, __doc__)' in (ROOT / stage.script).read_text()
+
+
+STAGE_NAMES = re.compile(r"""["'](pretrain|sft|lora|dpo|distill)["']""")
+
+
+LOOP_FILES = ["trainer_utils/loop.py", "trainer_utils/session.py", "trainer_utils/config.py",
+              *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "trainer_utils/components").glob("*.py"))]
+
+
+@pytest.mark.parametrize("path", LOOP_FILES)
+def test_the_loop_names_no_stage_and_tests_no_objective_type(path):
+    text = (ROOT / path).read_text()
+    assert not STAGE_NAMES.findall(text), f"{path} names a stage: {STAGE_NAMES.findall(text)}"
+    assert not re.search(r"isinstance\([^)]*objective", text), f"{path} tests an objective's type"
+
+
+def test_the_empty_step_poison_still_skips_a_toy_stage_step(corpus, tmp_path):
+    """A stage whose hook leaves no target in a step: the step is skipped like any empty one (not applied)."""
+    class NoTargets(FirstHalfStage):
+        def before_loss(self, trainer, micro):
+            return [(x, torch.full_like(y, IGNORE_INDEX)) for x, y in micro]
+
+    assert main(NoTargets(), toy_flags(corpus, tmp_path, max_steps=2, eval_interval=100, save_interval=100), None) == 0
+    [record] = read_metrics(tmp_path / "firsthalf-tiny")
+    assert record["skipped_steps"] == 2 and record["tokens_seen"] == 0
