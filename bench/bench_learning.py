@@ -222,11 +222,11 @@ def tokens_per_step(config: Any) -> int:
     seq = m.max_seq_len
     if seq is None:
         from model import ModelConfig
+        from model.config import config_from_flags
         from model.loading import resolve_model_dir
-        from trainer_utils.session import new_model_config
 
         model = ModelConfig.load(resolve_model_dir(m.init_from) / "config.json") if m.init_from else \
-            new_model_config(m)
+            config_from_flags(m)
         seq = model.max_seq_len
     return o.batch_size * o.accumulation_steps * seq
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
 from common.device import DTYPES, choose_dtype, dtype_name, parse_device, precision_policy, synchronize  # noqa: E402
 from model import ModelConfig, PocketLM  # noqa: E402
-from model.config import get_preset  # noqa: E402
+from model.config import config_from_flags, get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
 from trainer_utils.config import TrainConfig, parse_train_config  # noqa: E402
@@ -58,7 +58,6 @@ from trainer_utils.loop import Trainer  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
 from trainer_utils.runtime import Precision  # noqa: E402
-from trainer_utils.session import new_model_config  # noqa: E402
 
 
 def cpu_model() -> str:
@@ -261,7 +260,7 @@ def models(args: argparse.Namespace, recipe: TrainConfig | None, seq: int) -> li
     """(name, config at context `seq`, the train_pretrain.py flags that build it) per preset, or for --recipe."""
     if recipe is not None:
         options = dataclasses.replace(recipe.model, max_seq_len=seq)
-        return [(Path(args.recipe).stem, new_model_config(options), ["--config", args.recipe])]
+        return [(Path(args.recipe).stem, config_from_flags(options), ["--config", args.recipe])]
     return [(preset, get_preset(preset, max_seq_len=seq,
                                 max_position_embeddings=max(seq, get_preset(preset).max_position_embeddings)),
              ["--preset", preset]) for preset in args.presets]

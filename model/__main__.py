@@ -3,43 +3,38 @@ prints the memory one training step needs instead (model/memory.py explains the 
 
     python -m model --estimate --preset minimind-26m --batch_size 8 --max_seq_len 512 --dtype bfloat16
 
-The shape flags are the trainers', with the same meaning, so the estimate describes the model they would build.
+The model flags are the trainers', with the same meaning, so the estimate describes the model they would build.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from common.config import option, parse_config
 from common.errors import ConfigError, PocketLMError
 
-from .config import PRESETS, ModelConfig, model_name, preset_table, reshape_preset
+from .config import ModelConfig, config_from_flags, model_flags, model_name, preset_table
 from .memory import estimate_memory
 
-
-@dataclass
-class StepOptions:
-    """The model and the training step whose memory --estimate prints."""
-
-    title: ClassVar[str] = "memory estimate"
-    estimate: bool = option(False, "print the memory one training step needs instead of the preset table")
-    # not argparse choices: an unknown name is reported as one `error:` line, like every other bad value
-    preset: str = option("minimind-26m", f"model shape: {', '.join(PRESETS)}", metavar="NAME")
-    hidden_size: int | None = option(None, "override the preset's width (head size kept)", at_least=1)
-    num_hidden_layers: int | None = option(None, "override the preset's depth", at_least=1)
-    vocab_size: int | None = option(None, "vocabulary (default: the preset's; the trainers take the tokenizer's, "
-                                          "6400 for the shipped one)", at_least=1)
-    max_seq_len: int | None = option(None, "tokens per sequence (default: the preset's context)", at_least=1)
-    batch_size: int = option(32, "sequences per micro-batch", at_least=1)
-    accumulation_steps: int = option(1, "micro-batches per optimizer step", at_least=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = option(
+# The model flags are the trainers' (model/config.py model_flags: --preset and every switch), so the estimate
+# describes the model they would build; then the step whose memory is estimated.
+StepOptions = dataclasses.make_dataclass("StepOptions", [
+    ("estimate", bool, option(False, "print the memory one training step needs instead of the preset table")),
+    *model_flags(),
+    ("vocab_size", int | None, option(None, "vocabulary (default: the preset's; the trainers take the tokenizer's, "
+                                            "6400 for the shipped one)", at_least=1)),
+    ("batch_size", int, option(32, "sequences per micro-batch", at_least=1)),
+    ("accumulation_steps", int, option(1, "micro-batches per optimizer step", at_least=1)),
+    ("dtype", Literal["float32", "bfloat16", "float16"], option(
         "bfloat16", "autocast dtype (the trainers' --dtype auto: bfloat16 on Ampere+ GPUs and CPUs with native "
-                    "bf16, float16 on older GPUs, else float32)")
-    grad_checkpointing: bool = option(False, "recompute blocks in backward: keep only each block's input")
-    qk_norm: bool | None = option(None, "RMSNorm of each head's queries and keys (it saves more activations)")
-    optimizer: Literal["adamw", "muon"] = option("adamw", "whose state is counted: AdamW on every weight, or Muon "
-                                                          "on the hidden matrices and AdamW on the rest")
+                    "bf16, float16 on older GPUs, else float32)")),
+    ("grad_checkpointing", bool, option(False, "recompute blocks in backward: keep only each block's input")),
+    ("optimizer", Literal["adamw", "muon"], option("adamw", "whose state is counted: AdamW on every weight, or Muon "
+                                                             "on the hidden matrices and AdamW on the rest")),
+], namespace={"title": "memory estimate", "__doc__": "The model and the training step whose memory --estimate "
+                                                     "prints."})
 
 
 @dataclass
@@ -51,10 +46,7 @@ class ModelCommand:
 
 def model_config(o: StepOptions) -> ModelConfig:
     """The config the trainers build from the same flags."""
-    extra = {} if o.vocab_size is None else {"vocab_size": o.vocab_size}
-    if o.qk_norm is not None:
-        extra["qk_norm"] = o.qk_norm
-    return reshape_preset(o.preset, o.hidden_size, o.num_hidden_layers, o.max_seq_len, **extra)
+    return config_from_flags(o, o.vocab_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,15 +4,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.config import option
 from common.errors import ConfigError
 from common.files import read_json
 
 # Marks a config.json as ours, so it is never confused with a transformers config.json.
 MODEL_TYPE = "pocketlm"
+DEFAULT_PRESET = "minimind-26m"
+
+# A switch is a ModelConfig field that has a flag of the same name (--hidden_size, --qk_norm, ...), declared once
+# here: the trainers' and `python -m model`'s flags, the checks of --init_from and --resume, and architecture()
+# derive from it. Its role says what the flag does:
+#   shape         reshapes the preset (head size kept); refused with --init_from (the weights bring their shape)
+#   context       the training context; longer than the preset's grows the position table
+#   architecture  set on a new model; refused with --init_from; must agree on --resume
+#   init          how a new model's weights start: refused with --init_from, meaningless on --resume
+#   training      how the model trains, not what it is: applies to --init_from weights too; must agree on --resume
+ROLES = ("shape", "context", "architecture", "init", "training")
+
+
+def switch(default: Any, role: str, help: str, **checks: Any) -> Any:
+    """A ModelConfig field with a flag: its default (the config's), role, help line and bounds (common.config)."""
+    assert role in ROLES, role
+    return field(default=default, metadata={"role": role, "help": help, **checks})
 
 
 @dataclass
@@ -20,18 +39,19 @@ class ModelConfig:
     """Shape and architecture switches of a PocketLM decoder (Llama-style by default, GPT-2-style by flags)."""
 
     vocab_size: int = 6400
-    hidden_size: int = 512
-    num_hidden_layers: int = 8
+    hidden_size: int = switch(512, "shape", "override the preset's width (head size kept)", at_least=1)
+    num_hidden_layers: int = switch(8, "shape", "override the preset's depth", at_least=1)
     num_attention_heads: int = 8
     num_key_value_heads: int = 2
     # None -> 64 * ceil(8/3 * d / 64) for SwiGLU (same parameter budget as a 4d GELU MLP), 4 * d for GELU.
     intermediate_size: int | None = None
-    max_seq_len: int = 512  # training context
+    max_seq_len: int = switch(512, "context", "training context in tokens (default: the model's)", at_least=1)
     # Longest sequence generation may reach. RoPE extrapolates past max_seq_len; learned positions cannot.
     max_position_embeddings: int = 32768
-    rope_theta: float = 1e4
+    rope_theta: float = switch(1e4, "architecture", "RoPE base frequency (default: the preset's, 10000)", above=0)
     norm_eps: float = 1e-5
-    dropout: float = 0.0
+    dropout: float = switch(0.0, "training", "dropout probability (default: the model's, 0 for presets); takes "
+                                             "effect with --init_from too", at_least=0, below=1)
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     # Architecture switches. Llama style: rmsnorm + rope + swiglu, no biases.
@@ -43,10 +63,13 @@ class ModelConfig:
     # QK-norm: RMSNorm of each head's queries and keys (over head_dim, a learned weight each) before RoPE, as
     # Qwen3, OLMo 2 and modded-nanogpt do. It bounds the attention logits, so higher learning rates train
     # stably. A Llama-style model with it is Qwen3-style (exports as Qwen3ForCausalLM / llama.cpp's qwen3).
-    qk_norm: bool = False
+    qk_norm: bool = switch(False, "architecture", "RMSNorm of each head's queries and keys before RoPE (Qwen3, "
+                                                  "OLMo 2): bounds attention logits for higher learning rates; "
+                                                  "exports as Qwen3")
     # An init choice, not architecture: start the residual branches' output projections (o_proj, down_proj,
     # the experts' down_proj) at zero, so every block starts as the identity (modded-nanogpt).
-    zero_init_residual: bool = False
+    zero_init_residual: bool = switch(False, "init", "start the blocks' output projections (o_proj, down_proj) at "
+                                                     "zero, so each block starts as the identity (modded-nanogpt)")
     # Mixture of experts (model/model.py MoE): num_experts > 0 replaces every block's MLP by num_experts routed
     # SwiGLU experts of moe_intermediate_size (default: intermediate_size), of which each token uses
     # num_experts_per_tok, plus num_shared_experts that every token uses. norm_topk_prob rescales the chosen
@@ -54,14 +77,21 @@ class ModelConfig:
     # get no gradient from the language-model loss). The router_* coefficients are training choices: the
     # load-balancing loss (1.0 when perfectly balanced), the router z-loss, and the step size of the
     # auxiliary-loss-free balancing bias (0 = off). See docs/moe.md.
-    num_experts: int = 0
-    num_experts_per_tok: int = 2
-    num_shared_experts: int = 0
-    moe_intermediate_size: int | None = None
-    norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.01
-    router_z_loss_coef: float = 0.0
-    router_bias_update_rate: float = 0.0
+    num_experts: int = switch(0, "architecture", "routed experts per block, 0 = a dense MLP (default: the "
+                                                 "preset's)", at_least=0)
+    num_experts_per_tok: int = switch(2, "architecture", "experts each token is routed to (top-k)", at_least=1)
+    num_shared_experts: int = switch(0, "architecture", "experts every token uses besides its routed ones",
+                                     at_least=0)
+    moe_intermediate_size: int | None = switch(None, "architecture", "each expert's hidden width (default: the "
+                                                                     "dense MLP's)", at_least=1)
+    norm_topk_prob: bool = switch(True, "architecture", "rescale the chosen experts' router probabilities to sum "
+                                                        "to 1 (not with top-1; default: on for top-k > 1)")
+    router_aux_loss_coef: float = switch(0.01, "training", "weight of the load-balancing loss (1.0 when balanced; "
+                                                           "default 0.01)", at_least=0)
+    router_z_loss_coef: float = switch(0.0, "training", "weight of the router z-loss (default 0)", at_least=0)
+    router_bias_update_rate: float = switch(0.0, "training", "auxiliary-loss-free balancing: step of the "
+                                                             "per-expert routing bias after each optimizer step "
+                                                             "(0 = off, DeepSeek-V3 uses 0.001)", at_least=0)
     # Runtime switch, not part of the architecture: recompute each block in backward to save activations.
     gradient_checkpointing: bool = field(default=False, compare=False)
 
@@ -270,8 +300,46 @@ def reshape_preset(name: str, hidden_size: int | None = None, num_hidden_layers:
 # Fields that are not the network's architecture: the tokenizer sets the vocabulary, the run sets the context,
 # dropout is a training choice, zero_init_residual an init choice. Two configs equal on every other field describe
 # the same network shape.
-NOT_ARCHITECTURE = ("vocab_size", "max_seq_len", "max_position_embeddings", "dropout", "gradient_checkpointing",
-                    "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate", "zero_init_residual")
+def switches(*roles: str) -> tuple[str, ...]:
+    """The ModelConfig fields that have a flag, in declaration order: those of `roles`, or all."""
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("role") in (roles or ROLES))
+
+
+def model_flags() -> list[tuple[str, Any, Any]]:
+    """The model flags as settings for common.config (name, type, option): --preset and every switch, each
+    defaulting to None ("the preset's", or for loaded weights "the model's"). The trainers' model group and
+    `python -m model` are built from these, so they accept the same model flags with the same meaning."""
+    hints = typing.get_type_hints(ModelConfig)
+    flags: list[tuple[str, Any, Any]] = [(
+        # not argparse choices: an unknown name is one `error:` line naming the presets, like every bad value
+        "preset", str | None, option(None, f"model shape of a new model: {', '.join(PRESETS)} (default: "
+                                           f"{DEFAULT_PRESET}); not with --init_from, which brings its own",
+                                     metavar="NAME"))]
+    for f in dataclasses.fields(ModelConfig):
+        if "role" in f.metadata:
+            checks = {k: v for k, v in f.metadata.items() if k not in ("role", "help")}
+            flags.append((f.name, hints[f.name] | None, option(None, f.metadata["help"], **checks)))
+    return flags
+
+
+def config_from_flags(flags: Any, vocab_size: int | None = None) -> ModelConfig:
+    """The config of a new model from its flags (an object with the model_flags() attributes): the preset,
+    reshaped by the shape and context switches, with every other switch given set as given, and the
+    tokenizer's vocabulary (None: the preset's)."""
+    extra: dict[str, Any] = {} if vocab_size is None else {"vocab_size": vocab_size}
+    for name in switches("architecture", "init", "training"):
+        if getattr(flags, name) is not None:
+            extra[name] = getattr(flags, name)
+    if flags.num_experts_per_tok == 1 and flags.norm_topk_prob is None:
+        extra["norm_topk_prob"] = False  # top-1 is Switch-style: the default that works
+    return reshape_preset(flags.preset or DEFAULT_PRESET, flags.hidden_size, flags.num_hidden_layers,
+                          flags.max_seq_len, **extra)
+
+
+# what does not fix the network's shape and kind: the tokenizer's size, how long it trains and generates, and
+# the init and training switches
+NOT_ARCHITECTURE = ("vocab_size", "max_position_embeddings", "gradient_checkpointing",
+                    *switches("context", "init", "training"))
 
 
 def architecture(config: ModelConfig) -> dict[str, Any]:

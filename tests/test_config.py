@@ -2,6 +2,7 @@
 one data config for training and `python -m dataset.cache`, and flags that cannot take effect."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -269,3 +270,31 @@ def test_missing_optional_package_names_the_install_command(corpus, tmp_path, ca
     err = capsys.readouterr().err
     assert f"{flag} needs the `{module}` package" in err and "pip install -r requirements.txt" in err
     assert len(err.splitlines()) == 1 and not cache.exists()
+
+
+def test_python_m_model_and_the_trainers_accept_the_same_model_flags():
+    """Each model switch is declared once (a ModelConfig field with a role): the trainers' model group and
+    `python -m model` derive their flags from it, with the same meaning and bounds."""
+    from common.config import settings
+    from model.__main__ import ModelCommand
+    from model.config import ModelConfig, switches
+
+    trainer = {n: s for n, s in settings(TrainConfig).items() if s.group == "model"}
+    ours = settings(ModelCommand)
+    switched = {f.name for f in dataclasses.fields(ModelConfig) if "role" in f.metadata}
+    assert switched == set(switches()) and switched | {"preset"} <= set(trainer) & set(ours)
+    assert set(trainer) - set(ours) == {"init_from", "compile"}  # training only
+    assert set(ours) - set(trainer) == {"estimate", "vocab_size", "batch_size", "accumulation_steps", "dtype",
+                                        "optimizer"}  # the step, in other groups of the trainers
+    for name in switched | {"preset"}:
+        assert trainer[name].meta == ours[name].meta and trainer[name].base == ours[name].base, name
+    # and they build the same model: MoE, RoPE and QK-norm flags included
+    for argv in [[], ["--hidden_size", "96", "--num_hidden_layers", "3"],
+                 ["--num_experts", "4", "--num_experts_per_tok", "1"],
+                 ["--rope_theta", "1e6", "--qk_norm", "--zero_init_residual"],
+                 ["--preset", "tiny", "--num_experts", "8", "--moe_intermediate_size", "32", "--router_z_loss_coef",
+                  "0.1"]]:
+        from model.__main__ import model_config
+        from model.config import config_from_flags
+        built = model_config(parse_config(ModelCommand, ["--estimate", *argv]).step)
+        assert built == config_from_flags(parse_train_config("pretrain", argv, "").model), argv

@@ -26,7 +26,7 @@ import train_pretrain
 from common.device import capabilities
 from model import ModelConfig, PocketLM, get_preset
 from model.__main__ import StepOptions, main, model_config
-from model.config import ConfigError, preset_table
+from model.config import ConfigError, config_from_flags, preset_table
 from model.memory import (
     estimate_memory,
     fmt,
@@ -42,7 +42,6 @@ from trainer_utils.objectives import LanguageModeling
 from trainer_utils.optim import build_optimizer
 from trainer_utils.routing import RouterBalance
 from trainer_utils.runtime import Precision
-from trainer_utils.session import new_model_config
 
 from conftest import ROOT, strict_records
 
@@ -375,7 +374,7 @@ def test_cli_overrides_describe_the_model_the_trainer_builds():
                   dict(preset="gpt2-100m", hidden_size=512)]:
         flags = {"preset": "minimind-26m", **flags}
         ours = model_config(StepOptions(**flags))
-        trainers = new_model_config(ModelOptions(**flags))
+        trainers = config_from_flags(ModelOptions(**flags))
         assert dataclasses.asdict(ours) == dataclasses.asdict(trainers), flags
 
 

@@ -14,10 +14,10 @@ import train_lora
 import train_pretrain
 from common.errors import ConfigError
 from model import load_model
+from model.config import config_from_flags
 from trainer_utils import loop as loop_mod
 from trainer_utils.config import parse_train_config
 from trainer_utils.routing import RouterBalance
-from trainer_utils.session import new_model_config
 
 from conftest import ROOT, read_metrics, train_through_an_empty_step
 
@@ -178,9 +178,9 @@ def test_router_flags_apply_to_init_from_and_must_agree_on_resume(corpus, tmp_pa
     assert train_pretrain.main(argv) != 0
     assert "--router_aux_loss_coef cannot take effect with --resume" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="norm_topk_prob"):
-        new_model_config(parse_train_config(
+        config_from_flags(parse_train_config(
             "pretrain", moe_flags(corpus, tmp_path, num_experts_per_tok=1, norm_topk_prob=True), "").model)
-    top1 = new_model_config(parse_train_config(
+    top1 = config_from_flags(parse_train_config(
         "pretrain", moe_flags(corpus, tmp_path, num_experts_per_tok=1), "").model)
     assert top1.norm_topk_prob is False  # top-1 defaults to Switch-style weights
 

@@ -10,11 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from model import ConfigError, ModelConfig, PocketLM, get_preset, load_model, save_model
-from model.config import architecture, model_name
+from model.config import architecture, config_from_flags, model_name
 from model.model import KVCache
 from model.stats import attention_probs
-from trainer_utils.config import ModelOptions, parse_train_config
-from trainer_utils.session import new_model_config
+from trainer_utils.config import NEW_MODEL_FLAGS, ModelOptions, parse_train_config
 
 from conftest import tiny_config
 
@@ -303,21 +302,21 @@ def test_zero_init_residual_is_an_init_choice_not_architecture():
 # ------------------------------------------------------------------------------ trainer flags
 def test_trainer_flags_reach_the_model_config():
     argv = ["--preset", "tiny", "--qk_norm", "--zero_init_residual", "--rope_theta", "50000"]
-    cfg = new_model_config(parse_train_config("pretrain", argv, "").model, vocab_size=256)
+    cfg = config_from_flags(parse_train_config("pretrain", argv, "").model, vocab_size=256)
     assert (cfg.qk_norm, cfg.zero_init_residual, cfg.rope_theta, cfg.style) == (True, True, 5e4, "qwen3")
-    default = new_model_config(parse_train_config("pretrain", ["--preset", "tiny"], "").model)
+    default = config_from_flags(parse_train_config("pretrain", ["--preset", "tiny"], "").model)
     assert (default.qk_norm, default.zero_init_residual, default.rope_theta) == (False, False, 1e4)
-    off = new_model_config(parse_train_config("pretrain", ["--preset", "tiny", "--no-qk_norm"], "").model)
+    off = config_from_flags(parse_train_config("pretrain", ["--preset", "tiny", "--no-qk_norm"], "").model)
     assert off.qk_norm is False
     with pytest.raises(ConfigError, match="--rope_theta must be > 0"):
         parse_train_config("pretrain", ["--rope_theta", "0"], "")
     with pytest.raises(ConfigError, match="qk_norm .* needs norm='rmsnorm'"):  # a GPT-2-style preset
-        new_model_config(parse_train_config("pretrain", ["--preset", "gpt2-100m", "--qk_norm"], "").model)
+        config_from_flags(parse_train_config("pretrain", ["--preset", "gpt2-100m", "--qk_norm"], "").model)
 
 
 @pytest.mark.parametrize("flag", [["--qk_norm"], ["--zero_init_residual"], ["--rope_theta", "5e5"]])
 def test_trainer_flags_are_refused_with_init_from(flag):
-    assert flag[0][2:] in ModelOptions.SHAPE_FLAGS
+    assert flag[0][2:] in NEW_MODEL_FLAGS
     with pytest.raises(ConfigError, match=f"{flag[0]} cannot take effect with --init_from"):
         parse_train_config("sft", ["--init_from", "out/base", *flag], "")
 
@@ -326,7 +325,7 @@ def test_memory_estimate_command_describes_the_trainers_qk_norm_model():
     from model.__main__ import StepOptions, model_config
 
     ours = model_config(StepOptions(preset="tiny", qk_norm=True))
-    assert dataclasses.asdict(ours) == dataclasses.asdict(new_model_config(ModelOptions(preset="tiny",
+    assert dataclasses.asdict(ours) == dataclasses.asdict(config_from_flags(ModelOptions(preset="tiny",
                                                                                        qk_norm=True)))
 
 

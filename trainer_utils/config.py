@@ -10,6 +10,7 @@ Session adds the ones that need the device or the checkpoint being loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,66 +20,26 @@ from common.config import option, parse_config
 from common.errors import ConfigError
 from common.files import require_package
 from dataset.config import DataConfig
-from model.config import PRESETS
+from model.config import PRESETS, model_flags, switches
 from model.inference import DeviceConfig
 
 from .runtime import compile_toolchain_problem
 from .stages import Stage, get_stage
 
-DEFAULT_PRESET = "minimind-26m"
+# the flags that describe a new model: refused with --init_from, whose weights bring their own
+NEW_MODEL_FLAGS = ("preset", *switches("shape", "architecture", "init"))
 
 
-@dataclass
-class ModelOptions:
-    """Which model to train: a preset (optionally reshaped), or the weights of an earlier run."""
-
-    title: ClassVar[str] = "model"
-    preset: str | None = option(None, f"model shape for a new model (default: {DEFAULT_PRESET}); not with "
-                                      "--init_from, which brings its own", choices=sorted(PRESETS))
-    hidden_size: int | None = option(None, "override the preset's width (head size kept)", at_least=1)
-    num_hidden_layers: int | None = option(None, "override the preset's depth", at_least=1)
-    max_seq_len: int | None = option(None, "training context in tokens (default: the model's)", at_least=1)
-    dropout: float | None = option(None, "dropout probability (default: the model's, 0 for presets); takes "
-                                         "effect with --init_from too", at_least=0, below=1)
-    init_from: str | None = option(None, "start from the weights of this run / checkpoint / model dir",
-                                 metavar="DIR")
-    # architecture switches and an init choice of a new model (docs/model.md), refused with --init_from
-    rope_theta: float | None = option(None, "RoPE base frequency (default: the preset's, 10000)", above=0)
-    qk_norm: bool | None = option(None, "RMSNorm of each head's queries and keys before RoPE (Qwen3, OLMo 2): "
-                                        "bounds attention logits for higher learning rates; exports as Qwen3")
-    zero_init_residual: bool | None = option(None, "start the blocks' output projections (o_proj, down_proj) at "
-                                                   "zero, so each block starts as the identity (modded-nanogpt)")
-    # mixture of experts (docs/moe.md): the shape of a new model's MoE layers
-    num_experts: int | None = option(None, "routed experts per block, 0 = a dense MLP (default: the preset's)",
-                                     at_least=0)
-    num_experts_per_tok: int | None = option(None, "experts each token is routed to (top-k)", at_least=1)
-    num_shared_experts: int | None = option(None, "experts every token uses besides its routed ones", at_least=0)
-    moe_intermediate_size: int | None = option(None, "each expert's hidden width (default: the dense MLP's)",
-                                               at_least=1)
-    norm_topk_prob: bool | None = option(None, "rescale the chosen experts' router probabilities to sum to 1 "
-                                               "(not with top-1; default: on for top-k > 1)")
-    # ... and how their routers are trained: training choices, they take effect with --init_from too
-    router_aux_loss_coef: float | None = option(None, "weight of the load-balancing loss (1.0 when balanced; "
-                                                      "default 0.01)", at_least=0)
-    router_z_loss_coef: float | None = option(None, "weight of the router z-loss (default 0)", at_least=0)
-    router_bias_update_rate: float | None = option(None, "auxiliary-loss-free balancing: step of the per-expert "
-                                                         "routing bias after each optimizer step (0 = off, "
-                                                         "DeepSeek-V3 uses 0.001)", at_least=0)
-    grad_checkpointing: bool = option(False, "recompute blocks in backward: less memory, ~30% more compute")
-    compile: bool = option(False, "torch.compile the model")
-
-    # config fields set as they are given (preset, hidden_size and num_hidden_layers reshape the preset instead)
-    MOE_FLAGS: ClassVar[tuple[str, ...]] = ("num_experts", "num_experts_per_tok", "num_shared_experts",
-                                            "moe_intermediate_size", "norm_topk_prob")
-    ARCHITECTURE_FLAGS: ClassVar[tuple[str, ...]] = ("rope_theta", "qk_norm")
-    # ... and how a new model's weights start: meaningless for loaded weights, so refused with --init_from too
-    INIT_FLAGS: ClassVar[tuple[str, ...]] = ("zero_init_residual",)
-    SHAPE_FLAGS: ClassVar[tuple[str, ...]] = ("preset", "hidden_size", "num_hidden_layers", *MOE_FLAGS,
-                                              *ARCHITECTURE_FLAGS, *INIT_FLAGS)
-    # not the network's shape: given with --init_from they apply to the loaded model; with --resume they must
-    # agree with the run
-    TRAINING_FLAGS: ClassVar[tuple[str, ...]] = ("dropout", "router_aux_loss_coef", "router_z_loss_coef",
-                                                 "router_bias_update_rate")
+# Which model to train: --preset and every model switch (declared once, as ModelConfig fields: model/config.py),
+# then what only training has: the weights to start from and how the step runs.
+ModelOptions = dataclasses.make_dataclass("ModelOptions", [
+    *model_flags(),
+    ("init_from", str | None, option(None, "start from the weights of this run / checkpoint / model dir",
+                                     metavar="DIR")),
+    ("grad_checkpointing", bool, option(False, "recompute blocks in backward: less memory, ~30% more compute")),
+    ("compile", bool, option(False, "torch.compile the model")),
+], namespace={"title": "model", "__doc__": "Which model to train: a preset (optionally reshaped and switched), or "
+                                           "the weights of an earlier run."})
 
 
 @dataclass
@@ -245,8 +206,10 @@ class TrainConfig:
         if self.eval.early_stopping and self.data.val_fraction == 0:
             raise ConfigError("--early_stop_patience and --overfit_gap watch the validation loss; they need "
                               "--val_fraction > 0")
+        if self.model.preset is not None and self.model.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.model.preset!r}; expected one of {sorted(PRESETS)}")
         if self.model.init_from is not None:
-            given = [f"--{k}" for k in ModelOptions.SHAPE_FLAGS if getattr(self.model, k) is not None]
+            given = [f"--{k}" for k in NEW_MODEL_FLAGS if getattr(self.model, k) is not None]
             if given:
                 raise ConfigError(f"{', '.join(given)} cannot take effect with --init_from: the model (its shape "
                                   f"and weights) comes from {self.model.init_from}; "

@@ -20,7 +20,7 @@ from common.files import shipped_path
 from dataset.config import TEXT, training_data
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
-from model.config import architecture, model_name, reshape_preset
+from model.config import architecture, config_from_flags, model_name, switches
 from model.inference import read_train_info, token_byte_lengths
 from model.loading import WEIGHTS_NAME, is_lora_dir, load_model, load_state_into, read_state_dict, resolve_model_dir
 from model.lora import LoraSpec, apply_lora, base_reference, load_lora_model, read_lora_config
@@ -28,39 +28,25 @@ from model.probes import read_probe_file, read_prompt_file
 
 from .backend import Backend
 from .checkpoint import latest_checkpoint
-from .config import DEFAULT_PRESET, ModelOptions, TrainConfig
+from .config import ModelOptions, TrainConfig
 from .distributed import detect_env, device_for, make_backend
 from .objectives import Objective
 from .runtime import Precision, seed_everything, wider_dtype
 from .stages import Stage, get_stage
 
 
-def new_model_config(options: ModelOptions, vocab_size: int | None = None) -> ModelConfig:
-    """The config of a new model: the preset, reshaped by --hidden_size / --num_hidden_layers / --max_seq_len and
-    the mixture-of-experts, architecture (--rope_theta, --qk_norm) and init (--zero_init_residual) flags, with the
-    tokenizer's vocabulary (None: the preset's)."""
-    extra: dict[str, Any] = {} if vocab_size is None else {"vocab_size": vocab_size}  # the tokenizer actually used
-    for name in (*ModelOptions.MOE_FLAGS, *ModelOptions.ARCHITECTURE_FLAGS, *ModelOptions.INIT_FLAGS,
-                 *ModelOptions.TRAINING_FLAGS):
-        if getattr(options, name) is not None:
-            extra[name] = getattr(options, name)
-    if options.num_experts_per_tok == 1 and options.norm_topk_prob is None:
-        extra["norm_topk_prob"] = False  # top-1 is Switch-style: the default that works
-    return reshape_preset(options.preset or DEFAULT_PRESET, options.hidden_size, options.num_hidden_layers,
-                          options.max_seq_len, **extra)
-
-
 def check_resumed_model(options: ModelOptions, saved: ModelConfig, run_dir: Path) -> None:
     """ConfigError when model flags given with --resume describe another model than the run being resumed
     (they cannot take effect). Flags that agree with it are fine: Slurm requeues repeat the whole command."""
-    given = [k for k in (*ModelOptions.SHAPE_FLAGS, *ModelOptions.TRAINING_FLAGS) if getattr(options, k) is not None]
+    new_model = ("preset", *switches("shape", "architecture", "init"))
+    given = [k for k in (*new_model, *switches("training")) if getattr(options, k) is not None]
     if not given:
         return
     differ = {}
-    if any(getattr(options, k) is not None for k in ModelOptions.SHAPE_FLAGS):
-        described = new_model_config(options, saved.vocab_size)
+    if any(getattr(options, k) is not None for k in new_model):
+        described = config_from_flags(options, saved.vocab_size)
         differ = {k: (v, getattr(saved, k)) for k, v in architecture(described).items() if getattr(saved, k) != v}
-    for name in ModelOptions.TRAINING_FLAGS:
+    for name in switches("training"):
         value = getattr(options, name)
         if value is not None and value != getattr(saved, name):
             differ[name] = (value, getattr(saved, name))
@@ -90,7 +76,7 @@ class Session:
         self.init_dir = resolve_model_dir(m.init_from) if m.init_from else None
         init_config = ModelConfig.load(self.init_dir / "config.json") if self.init_dir else None
         # the default name describes the model actually trained (the init checkpoint's, or the new one's)
-        name = run.run_name or f"{self.stage.name}-{model_name(init_config or new_model_config(m))}"
+        name = run.run_name or f"{self.stage.name}-{model_name(init_config or config_from_flags(m))}"
         self.run_dir = Path(run.out_dir) / name
         self.resume_from = latest_checkpoint(self.run_dir) if run.resume else None
         if run.resume and self.resume_from is None:
@@ -194,12 +180,12 @@ class Session:
             check_resumed_model(m, saved, self.run_dir)
             return saved
         if init_config is not None:
-            for name in ModelOptions.TRAINING_FLAGS:  # training choices, not the shape: they apply to loaded weights
+            for name in switches("training"):  # training choices, not the shape: they apply to loaded weights
                 if getattr(m, name) is not None:
                     setattr(init_config, name, getattr(m, name))
             init_config.validate()
             return init_config
-        return new_model_config(m, self.tokenizer.vocab_size)
+        return config_from_flags(m, self.tokenizer.vocab_size)
 
     def _lora(self) -> tuple[LoraSpec | None, dict[str, str] | None]:
         """The adapters to train (None: every weight) and the base they adapt: the --init_from model, or on
