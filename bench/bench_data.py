@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dataset.cache import prepare  # noqa: E402
 from dataset.datasets import PretrainDataset, SFTDataset  # noqa: E402
+from dataset.token_cache import prepare  # noqa: E402
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer  # noqa: E402
 
 

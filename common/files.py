@@ -19,6 +19,7 @@ TRAIN_CONFIG_NAME = "train_config.json"  # a run's full configuration, itself a 
 
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TOKENIZER_DIR = PROJECT_ROOT / "model" / "tokenizer"  # the shipped default tokenizer
 
 
 def shipped_path(path: str) -> Path:

@@ -46,8 +46,8 @@ import numpy as np
 from datasketch import MinHash, MinHashLSH
 
 from common.errors import ConfigError
-from dataset.cache import GOLDEN_GAMMA, splitmix64
 from dataset.jsonl import DataError, SkipReport, check_path, iter_raw_lines, parse_line, read_records, write_atomic
+from dataset.token_cache import GOLDEN_GAMMA, splitmix64
 
 STEPS = ("html_tags", "html_entities", "unicode", "control_chars", "whitespace")
 DROP_REASONS = ("bad_line", "empty_after_cleaning", "too_short", "too_long", "exact_duplicate", "near_duplicate")
@@ -251,7 +251,7 @@ def clean_text(text: str, opts: CleanOptions | None = None) -> tuple[str, list[s
 
 
 # ------------------------------------------------------------------------------------------------- sentences
-SPLITS = ("none", "sentences")
+SPLIT_MODES = ("none", "sentences")
 # Words that end in "." without ending the sentence, written as they appear (matched case-sensitively, so the
 # lower-case word "no." still ends "I said no."). A single capital letter ("J. K. Rowling") counts as an initial.
 ABBREVIATIONS = frozenset("""
@@ -558,8 +558,8 @@ def clean_records(records: Iterable[tuple[int, dict[str, Any]]], opts: CleanOpti
     sentence instead (see filter_sentences) and a text left with no sentence is dropped as "no_sentences_left".
     Conversations cannot be split into sentences: ConfigError.
     """
-    if split not in SPLITS:
-        raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split not in SPLIT_MODES:
+        raise ConfigError(f"split must be one of {', '.join(SPLIT_MODES)}, got {split!r}")
     by_sentence = split == "sentences"
     stats = stats if stats is not None else CleanStats()
     for _, record in records:
@@ -737,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="drop records (with --split sentences: sentences) shorter than this after cleaning")
     p.add_argument("--max_chars", type=int, default=None,
                    help="drop records (with --split sentences: sentences) longer than this after cleaning")
-    p.add_argument("--split", choices=SPLITS, default="none",
+    p.add_argument("--split", choices=SPLIT_MODES, default="none",
                    help="sentences: apply --min_chars/--max_chars to each sentence of a {'text'} record and "
                         "re-join the rest (refused for conversations)")
     p.add_argument("--no_near_dedup", action="store_true", help="exact deduplication only")

@@ -14,11 +14,11 @@ from typing import Any, Callable, ClassVar, Literal
 from common.config import option
 from common.errors import ConfigError
 
-from .cache import DEFAULT_SPLIT_SEED, TokenCache, prepare
 from .datasets import PretrainDataset, SFTDataset
 from .jsonl import DataError
 from .mixture import Mixture
 from .preference import PreferenceDataset
+from .token_cache import DEFAULT_SPLIT_SEED, TokenCache, prepare
 from .tokenizer import Tokenizer
 
 # The kinds of training records: raw text ({"text"}), conversations ({"conversations"}) and preference pairs

@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cache import TokenCache
+from common.tokens import IGNORE_INDEX
+
 from .jsonl import DataError
-from .tokenizer import IGNORE_INDEX
+from .token_cache import TokenCache
 
 
 class GlobalOrder:

@@ -21,9 +21,10 @@ import torch
 
 from common.config import option, parse_config
 from common.errors import PocketLMError
+from common.tokens import IGNORE_INDEX
 
 from .config import CacheConfig, CacheTarget, training_data
-from .tokenizer import DEFAULT_TOKENIZER_DIR, IGNORE_INDEX, Tokenizer
+from .tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 
 OPEN, CLOSE = "⟦", "⟧"
 

@@ -14,10 +14,10 @@ from typing import Any, Iterator
 
 from common.errors import DataError
 from common.files import write_atomic  # noqa: F401  (re-exported: the data stages write through it)
+from common.tokens import CHAT_ROLES
 
 # A "line" longer than this is almost always a JSON array or a whole file on one line, not a record.
 DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass
@@ -136,8 +136,8 @@ def validate_messages(messages: Any, name: str, where: str = "") -> None:
     for i, turn in enumerate(messages):
         if not isinstance(turn, dict):
             raise ValueError(f"{where}turn {i} must be an object, got {type(turn).__name__}")
-        if turn.get("role") not in ROLES:
-            raise ValueError(f"{where}turn {i} has unknown role {turn.get('role')!r}; expected one of {ROLES}")
+        if turn.get("role") not in CHAT_ROLES:
+            raise ValueError(f"{where}turn {i} has unknown role {turn.get('role')!r}; expected one of {CHAT_ROLES}")
         if not isinstance(turn.get("content"), str):
             raise ValueError(f'{where}turn {i} "content" must be a string, got {type(turn.get("content")).__name__}')
 

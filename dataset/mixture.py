@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError
-
-from .tokenizer import IGNORE_INDEX
+from common.tokens import IGNORE_INDEX
 
 BLOCK = 1000  # units per block: the resolution of the weights (a source needs at least 1/2000 of the mix)
 MIX_TAG = 0x6D6978  # "mix": separates this generator's seeds from the sources' own epoch orders

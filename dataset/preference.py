@@ -16,10 +16,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .cache import TokenCache
+from common.tokens import IGNORE_INDEX
+
 from .datasets import GlobalOrder, length_grouped_order, whole_batches
 from .jsonl import DataError
-from .tokenizer import IGNORE_INDEX
+from .token_cache import TokenCache
 
 
 class PreferenceDataset(GlobalOrder):

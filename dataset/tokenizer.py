@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from common.errors import TokenizerError
+from common.files import DEFAULT_TOKENIZER_DIR
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in tokenizers trained here
-DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "model" / "tokenizer"
-IGNORE_INDEX = -100
 
 # ChatML. Content is trimmed so that the "\n" after the role always ends a pre-token: the label boundary
 # between header and content is then also a token boundary, in both this code and transformers.

@@ -25,12 +25,12 @@ DEFAULT_PRESET = "minimind-26m"
 #   architecture  set on a new model; refused with --init_from; must agree on --resume
 #   init          how a new model's weights start: refused with --init_from, meaningless on --resume
 #   training      how the model trains, not what it is: applies to --init_from weights too; must agree on --resume
-ROLES = ("shape", "context", "architecture", "init", "training")
+SWITCH_ROLES = ("shape", "context", "architecture", "init", "training")
 
 
 def switch(default: Any, role: str, help: str, **checks: Any) -> Any:
     """A ModelConfig field with a flag: its default (the config's), role, help line and bounds (common.config)."""
-    assert role in ROLES, role
+    assert role in SWITCH_ROLES, role
     return field(default=default, metadata={"role": role, "help": help, **checks})
 
 
@@ -302,7 +302,7 @@ def reshape_preset(name: str, hidden_size: int | None = None, num_hidden_layers:
 # the same network shape.
 def switches(*roles: str) -> tuple[str, ...]:
     """The ModelConfig fields that have a flag, in declaration order: those of `roles`, or all."""
-    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("role") in (roles or ROLES))
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("role") in (roles or SWITCH_ROLES))
 
 
 def model_flags() -> list[tuple[str, Any, Any]]:

@@ -62,6 +62,7 @@ import torch
 from common.device import DTYPES, dtype_name
 from common.errors import TokenizerError
 
+from .checkpoint import load_model
 from .config import ConfigError, ModelConfig, get_preset
 from .gguf import OUTTYPES, export_gguf
 from .loading import (
@@ -71,7 +72,6 @@ from .loading import (
     CheckpointError,
     copy_tokenizer_files,
     is_lora_dir,
-    load_model,
     read_state_dict,
     resolve_model_dir,
     save_model,

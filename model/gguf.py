@@ -32,16 +32,15 @@ import numpy as np
 import torch
 
 from common.errors import TokenizerError
-from common.files import read_json
+from common.files import DEFAULT_TOKENIZER_DIR, read_json
 
+from .checkpoint import load_model
 from .config import ConfigError, ModelConfig
-from .loading import load_model
 from .model import interleave_rope_rows
 
 OUTTYPES = ("f32", "f16", "q8_0")
 # tokenizer.ggml.pre for a byte-level BPE split by GPT-2's regex (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).
 GPT2_PRE_TOKENIZER = "gpt-2"
-DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"
 # PocketLM -> llama.cpp tensor names within a layer, for the llama and qwen3 architectures.
 LLAMA_LAYER_TENSORS = {"input_layernorm.weight": "attn_norm.weight",
                        "post_attention_layernorm.weight": "ffn_norm.weight",

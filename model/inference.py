@@ -21,6 +21,7 @@ from common.config import option
 from common.device import parse_device
 from common.errors import CheckpointError
 from common.files import TRAIN_INFO_NAME
+from common.tokens import IGNORE_INDEX
 
 from .generate import generate
 from .model import PocketLM, set_attention_policy
@@ -31,7 +32,6 @@ from .stats import RouterLoad
 PROMPT_FORMATS = ("text", "chat")
 LEGACY_STAGES = {"pretrain": "text", "sft": "chat"}
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode shows for an incomplete multi-byte character
-IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------------ run metadata

@@ -2,10 +2,10 @@
 
 A model directory holds `model.safetensors`, `config.json` (a PocketLM ModelConfig) and, when known, the
 tokenizer files. A LoRA checkpoint directory holds `adapter_model.safetensors` and `lora.json` instead of the
-weights (model/lora.py); load_model merges its adapters into the base it names, so every reader of models takes
-LoRA runs as they are. A run directory (`out/<run>`) points at its newest model directory through a `latest`
-file. Single weight files (.safetensors, or MiniMind-style .pth state dicts) load too, with a config beside them
-or given explicitly. Every failure raises CheckpointError with a one-line message naming the file.
+weights (model/lora.py); model/checkpoint.py's load_model merges its adapters into the base it names, so every
+reader of models takes LoRA runs as they are. A run directory (`out/<run>`) points at its newest model directory
+through a `latest` file. Single weight files (.safetensors, or MiniMind-style .pth state dicts) load too, with a
+config beside them or given explicitly. Every failure raises CheckpointError with a one-line message naming the file.
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def save_model(model: PocketLM, out_dir: str | Path, tokenizer_dir: str | Path |
     `weights` replaces the model's own tensors (a DeepSpeed run's fp32 master weights)."""
     from safetensors.torch import save_file
 
-    from .lora import has_lora
-    if has_lora(model):  # its tensors would be named "q_proj.base.weight": a file no plain model loads
+    # a model with adapters (model/lora.py): its tensors would be named "q_proj.base.weight", a file no plain model
+    # loads
+    if any(name.endswith(".lora_A.weight") for name in model.state_dict()):
         raise CheckpointError("save_model: the model has LoRA adapters; save them with model.lora.save_lora, or "
                               "merge them first with model.lora.merge_lora")
     out = Path(out_dir)
@@ -149,35 +150,6 @@ def load_state_into(model: PocketLM, state: dict[str, torch.Tensor], source: str
                   "not a PocketLM checkpoint for this config", "the config", "was it trained with another preset "
                   "or config?")
     model.load_state_dict(state, strict=False)  # strictness checked above; lm_head is tied
-
-
-def load_model(path: str | Path, config: ModelConfig | None = None, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None) -> tuple[PocketLM, Path]:
-    """Load a model from a run dir, a model dir, or a weights file; return (model in eval mode, its dir).
-
-    The config comes from `config` if given, else from config.json next to the weights. A LoRA checkpoint
-    loads as its base with the adapters merged (model.lora.load_lora_model).
-    """
-    path = resolve_model_dir(path)
-    if is_lora_dir(path):
-        if config is not None:
-            raise CheckpointError(f"{path}: a LoRA checkpoint brings its own config.json; load it without a "
-                                  "preset or config")
-        from .lora import load_lora_model
-        return load_lora_model(path, device=device, dtype=dtype, merge=True), path
-    weights = path / WEIGHTS_NAME if path.is_dir() else path
-    model_dir = weights.parent
-    if path.is_dir() and not weights.is_file():
-        raise CheckpointError(f"{path}: no {WEIGHTS_NAME} here and no `{LATEST_NAME}` pointer "
-                              "(expected a PocketLM run or model directory)")
-    if config is None:
-        config_path = model_dir / CONFIG_NAME
-        if not config_path.is_file():
-            raise CheckpointError(f"{weights}: no {CONFIG_NAME} beside it; pass a preset or config explicitly")
-        config = checkpoint_config(config_path)
-    model = model_with_weights(config, weights)
-    model.to(device=device, dtype=dtype).eval()
-    return model, model_dir
 
 
 def checkpoint_config(path: Path) -> ModelConfig:

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-ROLES = ("system", "user", "assistant")
+from common.tokens import CHAT_ROLES
+
 MAX_STOP = 4  # as OpenAI
 
 
@@ -44,8 +45,8 @@ class ChatMessage(BaseModel):
     def _normalise(self) -> ChatMessage:
         if self.role == "developer":  # OpenAI's newer name for the system role
             self.role = "system"
-        if self.role not in ROLES:
-            raise ValueError(f"unknown role {self.role!r}; expected one of {list(ROLES)} (or developer, read as "
+        if self.role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {self.role!r}; expected one of {list(CHAT_ROLES)} (or developer, read as "
                              "system)")
         content = self.content
         if content is None and self.role == "assistant":

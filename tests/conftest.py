@@ -140,7 +140,7 @@ def strict_records(run_dir: Path) -> list[dict]:
 def train_through_an_empty_step(argv: list[str], monkeypatch) -> dict:
     """Train one step whose every target is masked (no valid target anywhere) with the training flags `argv`;
     return what a test checks: whether the weights and the optimizer state moved, and the run's records."""
-    from dataset.tokenizer import IGNORE_INDEX
+    from common.tokens import IGNORE_INDEX
     from trainer_utils import loop
     from trainer_utils.config import parse_train_config
     from trainer_utils.data import StepFeeder

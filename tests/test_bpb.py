@@ -16,7 +16,7 @@ from test_train import flags
 import train_dpo
 import train_pretrain
 from common.errors import CheckpointError
-from dataset.tokenizer import IGNORE_INDEX
+from common.tokens import IGNORE_INDEX
 from model.inference import token_byte_lengths
 from trainer_utils import loop as loop_mod
 from trainer_utils import session as session_mod

@@ -34,8 +34,8 @@ def test_a_batch_of_views_is_made_contiguous_before_pinning(monkeypatch):
 
 def test_the_feeder_hands_a_gpu_pinned_contiguous_batches(corpus, monkeypatch):
     """The pretraining dataset's real batches, through the feeder's producer thread, as for a CUDA device."""
-    from dataset.cache import prepare
     from dataset.datasets import PretrainDataset
+    from dataset.token_cache import prepare
     from dataset.tokenizer import Tokenizer
     pinned = Pinned(monkeypatch)
     cache = prepare(corpus["pretrain"], Tokenizer(), "pretrain", cache_dir=corpus["cache"], log=lambda _: None)

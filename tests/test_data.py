@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from dataset import cache as cache_mod
-from dataset.cache import DEFAULT_SPLIT_SEED, in_validation, prepare, token_dtype
+from common.tokens import IGNORE_INDEX
+from dataset import token_cache
 from dataset.datasets import PretrainDataset, SFTDataset
 from dataset.jsonl import DataError, SkipReport, read_records
-from dataset.tokenizer import IGNORE_INDEX
+from dataset.token_cache import DEFAULT_SPLIT_SEED, in_validation, prepare, token_dtype
 
 from conftest import ROOT, write_jsonl
 
@@ -109,7 +109,7 @@ def test_stream_is_documents_joined_by_endoftext(pretrain_file, tokenizer, tmp_p
 
 
 def test_parallel_chunked_preparation_equals_serial(pretrain_file, tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setattr(cache_mod, "CHUNK_BYTES", 2000)  # many chunks, several in flight
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 2000)  # many chunks, several in flight
     serial = prepare(pretrain_file, tokenizer, val_fraction=0.1, num_workers=0, cache_dir=tmp_path / "a", log=str)
     parallel = prepare(pretrain_file, tokenizer, val_fraction=0.1, num_workers=2, cache_dir=tmp_path / "b", log=str)
     for split in ("train", "val"):
@@ -121,8 +121,8 @@ def test_second_run_reuses_and_changes_rebuild(pretrain_file, tokenizer, tmp_pat
     root = tmp_path / "c"
     first = prepare(pretrain_file, tokenizer, num_workers=0, cache_dir=root, log=str)
     builds = []
-    real_build = cache_mod._build
-    monkeypatch.setattr(cache_mod, "_build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    real_build = token_cache._build
+    monkeypatch.setattr(token_cache, "_build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     again = prepare(pretrain_file, tokenizer, num_workers=0, cache_dir=root, log=str)
     assert again.path == first.path and builds == []
     os.utime(pretrain_file, ns=(1, 1))  # touched but identical: the content hash says reuse
@@ -145,16 +145,16 @@ def test_changed_tokenizer_uses_another_cache(pretrain_file, tokenizer, tmp_path
 
 
 def test_interrupted_preparation_leaves_no_complete_looking_cache(pretrain_file, tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setattr(cache_mod, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 1000)
     calls = []
 
     def dying(lines):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt  # Ctrl-C in the middle of the file
-        return cache_mod.encode_pretrain_chunk(lines)
+        return token_cache.encode_pretrain_chunk(lines)
 
-    monkeypatch.setitem(cache_mod.ENCODERS, "pretrain", dying)
+    monkeypatch.setitem(token_cache.ENCODERS, "pretrain", dying)
     root = tmp_path / "c"
     with pytest.raises(KeyboardInterrupt):
         prepare(pretrain_file, tokenizer, num_workers=0, cache_dir=root, log=str)
@@ -162,7 +162,7 @@ def test_interrupted_preparation_leaves_no_complete_looking_cache(pretrain_file,
     # a temp dir from a killed process (no cleanup ran) is ignored and removed by the next run
     (root / "pretrain-0000000000000000.tmp-999").mkdir()
     (root / "pretrain-0000000000000000.tmp-999" / "train.bin").write_bytes(b"\0" * 10)
-    monkeypatch.setitem(cache_mod.ENCODERS, "pretrain", cache_mod.encode_pretrain_chunk)
+    monkeypatch.setitem(token_cache.ENCODERS, "pretrain", token_cache.encode_pretrain_chunk)
     cache = prepare(pretrain_file, tokenizer, num_workers=0, cache_dir=root, log=str)
     assert (cache.path / "meta.json").is_file()
     assert sorted(p.name for p in root.iterdir() if p.name != ".lock") == [cache.path.name]

@@ -81,3 +81,15 @@ def test_vocabulary_mismatch_advice_names_a_training_flag(tmp_path, capsys, monk
     assert "vocab_size 256" in err
     advice = set(re.findall(r"--[a-z_]+", err))
     assert advice and advice <= training_flags, advice
+
+
+@pytest.mark.slow  # a process per entry point
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_every_entry_point_runs_as_documented(entry):
+    """`python X.py --help` / `python -m X --help` prints its usage: a module without its `__main__` guard
+    would exit 0 having done nothing (python -m dataset.cache once did)."""
+    import subprocess
+    import sys
+    command = [sys.executable, entry] if entry.endswith(".py") else [sys.executable, "-m", entry]
+    run = subprocess.run([*command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("usage:"), (entry, run.stdout[:200], run.stderr[-500:])

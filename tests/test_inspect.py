@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from common.tokens import IGNORE_INDEX
 from dataset import inspect
-from dataset.tokenizer import IGNORE_INDEX
 
 
 def sft_sample(tokenizer) -> tuple[list[int], list[int]]:

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from common.config import parse_config, settings
-from dataset import cache as cache_mod
-from dataset.cache import DEFAULT_SPLIT_SEED, in_validation, prepare
+from common.tokens import IGNORE_INDEX
+from dataset import token_cache
 from dataset.config import CacheConfig, DataConfig, training_data
 from dataset.jsonl import DataError, SkipReport, read_records
 from dataset.mixture import Mixture
 from dataset.preference import PreferenceDataset
-from dataset.tokenizer import IGNORE_INDEX
+from dataset.token_cache import DEFAULT_SPLIT_SEED, in_validation, prepare
 from trainer_utils.stages import STAGES
 
 from conftest import ROOT, demo_records, write_jsonl
@@ -265,8 +265,9 @@ def test_cache_is_reused_and_rebuilt_when_max_seq_len_changes(tmp_path, tokenize
     assert sorted(p.name for p in first.path.iterdir()) == sorted(
         [f"{s}.{e}" for s in ("train", "val") for e in ("bin", "idx", "lbl", "seg")] + ["meta.json"])
     builds = []
-    real_build = cache_mod._build
-    monkeypatch.setattr(cache_mod, "_build", lambda *a, **k: builds.append(a[3]["max_seq_len"]) or real_build(*a, **k))
+    real_build = token_cache._build
+    monkeypatch.setattr(token_cache, "_build",
+                        lambda *a, **k: builds.append(a[3]["max_seq_len"]) or real_build(*a, **k))
     again = prepare_pairs(path, tokenizer, tmp_path, max_seq_len=128)
     assert again.path == first.path and builds == []
     shorter = prepare_pairs(path, tokenizer, tmp_path, max_seq_len=32)
@@ -279,7 +280,7 @@ def test_cache_is_reused_and_rebuilt_when_max_seq_len_changes(tmp_path, tokenize
 def test_train_val_split_is_by_line_like_the_other_kinds(tmp_path, tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     cache = prepare_pairs(path, tokenizer, tmp_path, max_seq_len=128, val_fraction=0.25)
-    monkeypatch.setattr(cache_mod, "CHUNK_BYTES", 500)  # many chunks: the same arrays, pair by pair
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 500)  # many chunks: the same arrays, pair by pair
     chunked = prepare_pairs(path, tokenizer, tmp_path, max_seq_len=128, val_fraction=0.25, cache_dir=tmp_path / "d")
     for split in ("train", "val"):
         for array in ("tokens", "offsets", "labels", "segments"):

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
+from common.tokens import IGNORE_INDEX
 from dataset.config import DataConfig
-from dataset.tokenizer import IGNORE_INDEX
 from model.loading import resolve_model_dir
 from trainer_utils.loop import main
 from trainer_utils.objectives import Batch, LanguageModeling

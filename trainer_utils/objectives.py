@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dataset.tokenizer import IGNORE_INDEX
+from common.tokens import IGNORE_INDEX
 from model.model import RouterStats
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, targets, ...) as the dataset's batch() returns it

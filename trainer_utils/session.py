@@ -20,9 +20,10 @@ from common.files import shipped_path
 from dataset.config import TEXT, training_data
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
+from model.checkpoint import load_model
 from model.config import architecture, config_from_flags, model_name, switches
 from model.inference import read_train_info, token_byte_lengths
-from model.loading import WEIGHTS_NAME, is_lora_dir, load_model, load_state_into, read_state_dict, resolve_model_dir
+from model.loading import WEIGHTS_NAME, is_lora_dir, load_state_into, read_state_dict, resolve_model_dir
 from model.lora import LoraSpec, apply_lora, base_reference, load_lora_model, read_lora_config
 from model.probes import read_probe_file, read_prompt_file
 

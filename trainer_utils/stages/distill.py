@@ -11,7 +11,8 @@ from dataset.config import CONVERSATIONS, TEXT, DataConfig
 from dataset.jsonl import read_records
 from dataset.tokenizer import Tokenizer
 from model import ModelConfig
-from model.loading import load_model, resolve_model_dir
+from model.checkpoint import load_model
+from model.loading import resolve_model_dir
 
 from ..objectives import Distillation, Objective
 from .base import Stage

@@ -21,7 +21,8 @@ import torch
 from common.device import dtype_name
 from common.files import file_sha256, write_atomic
 from dataset.config import PAIRS, DataConfig
-from model.loading import ADAPTER_WEIGHTS_NAME, LORA_CONFIG_NAME, WEIGHTS_NAME, is_lora_dir, load_model
+from model.checkpoint import load_model
+from model.loading import ADAPTER_WEIGHTS_NAME, LORA_CONFIG_NAME, WEIGHTS_NAME, is_lora_dir
 
 from ..objectives import DPO, Objective, sequence_log_probs
 from .base import Stage

@@ -1,0 +1,111 @@
+"""The project's import graph: no circles, dependencies pointing down (docs/layout.md), shared constants once.
+
+Every import statement counts, module level or inside a function (a function-level import is how a circle
+hides); only imports under `if TYPE_CHECKING:` do not, since they never run (type hints of the stages' and
+components' hooks name the Trainer that calls them).
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGES = ("common", "dataset", "model", "trainer_utils", "serving", "launch")
+
+
+def project_modules() -> dict[str, object]:
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the project modules it imports}."""
+    modules = project_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        hints_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                      and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in hints_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+                module = ".".join(p for p in (base, node.module or "") if p)
+                targets = [module, *(f"{module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            deps.update(t for t in targets if t in modules and t != name)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("low, high", [("common", ("dataset", "model", "trainer_utils", "serving", "launch")),
+                                       ("model", ("dataset", "trainer_utils", "serving")),
+                                       ("dataset", ("model", "trainer_utils", "serving")),
+                                       ("serving", ("trainer_utils",)),
+                                       ("launch", ("trainer_utils", "model", "dataset", "serving"))])
+def test_dependencies_point_down(low, high):
+    graph = import_graph()
+    up = sorted((m, d) for m, deps in graph.items() if m.split(".")[0] == low for d in deps if d.split(".")[0] in high)
+    assert up == []
+
+
+def test_shared_constants_are_defined_once():
+    defined: dict[str, list[str]] = {}
+    for path in project_modules().values():
+        for name in re.findall(r"^([A-Z][A-Z0-9_]+)\s*(?::[^=]+)?=", path.read_text(), re.M):
+            defined.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in defined.items() if len(paths) > 1}
+    assert twice == {}
