@@ -60,16 +60,16 @@ class Evaluator:
         dtype = choose_dtype(config.device.dtype, device, "inference").dtype
         self.model, model_dir = load_model(task.checkpoint, device=device, dtype=dtype)
         self.prompt_format = task.prompt_format or read_train_info(model_dir)["prompt_format"]
-        self.chat = self.prompt_format == "chat"
+        self.is_chat = self.prompt_format == "chat"
         self.system = task.system
         self.skip_bad_lines = task.skip_bad_lines
-        if task.system and not self.chat:
+        if task.system and not self.is_chat:
             note("--system is ignored: a text checkpoint (pretrained) is prompted with raw text")
         if not (model_dir / "tokenizer.json").is_file():
             note(f"{model_dir} has no tokenizer.json; using the default tokenizer")
         self.tok = Tokenizer(model_dir if (model_dir / "tokenizer.json").is_file() else DEFAULT_TOKENIZER_DIR)
         self.tok.check_fits(self.model.config.vocab_size)
-        self.eos = self.tok.stop_ids(chat=self.chat)
+        self.eos = self.tok.stop_ids(chat=self.is_chat)
         # prompt tokens allowed
         self.budget = self.model.config.max_position_embeddings - self.sampling.max_new_tokens
         seed = self.sampling.seed
@@ -100,7 +100,7 @@ class Evaluator:
     def chat(self) -> None:
         """REPL: lines from stdin, streamed replies; /reset clears the history, /exit or EOF quits."""
         base = [{"role": "system", "content": self.system}] if self.system else []
-        if not self.chat:
+        if not self.is_chat:
             note("pretrain checkpoint: each line is continued as raw text, without history or template")
         history, interactive = list(base), sys.stdin.isatty()
         while True:
@@ -117,7 +117,7 @@ class Evaluator:
             if not line:
                 continue
             try:
-                if not self.chat:
+                if not self.is_chat:
                     self.complete([self.prompt_ids(line)], stream=True)
                     continue
                 messages, ids, dropped = fit_chat(history + [{"role": "user", "content": line}],
@@ -130,7 +130,7 @@ class Evaluator:
                 print("\n(interrupted)", flush=True)
 
     def prompt_ids(self, text: str) -> list[int]:
-        return self.tok.prompt_ids(text, chat=self.chat, system=self.system)
+        return self.tok.prompt_ids(text, chat=self.is_chat, system=self.system)
 
     def probes(self, probes: list[Probe]) -> None:
         """Print each prompt with its completion; a probe (`prompt<TAB>expected`) also with whether the greedy
@@ -139,7 +139,7 @@ class Evaluator:
             chunk = probes[start:start + 8]
             outs = self.complete([self.prompt_ids(p.prompt) for p in chunk])
             scored = iter(run_probes(self.model, [p for p in chunk if p.expected], self.prompt_ids, self.tok.encode,
-                                     self.tok.decode, self.chat, self.eos, self.tok.pad_id))
+                                     self.tok.decode, self.is_chat, self.eos, self.tok.pad_id))
             for probe, out in zip(chunk, outs):
                 print(f">>> {probe.prompt}\n{out}", flush=True)
                 if probe.expected:
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         elif task.prompt:
             for text in task.prompt:
                 # SFT: the question, then the streamed answer; pretrain: the prompt continued in place
-                print(f">>> {text}" if ev.chat else text, end="\n" if ev.chat else "", flush=True)
+                print(f">>> {text}" if ev.is_chat else text, end="\n" if ev.is_chat else "", flush=True)
                 ev.complete([ev.prompt_ids(text)], stream=True)
         else:
             ev.chat()

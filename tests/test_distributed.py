@@ -199,8 +199,11 @@ def test_existing_run_stops_every_rank_at_once(corpus, tmp_path):
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                           "train_pretrain.py", *args(corpus, tmp_path, "ddp", batch_size=4, max_steps=2)],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert res.returncode != 0 and res.stderr.count("already holds a run") == 2  # both ranks, no hang
-    assert time.time() - t0 < 60
+    # Every rank checks before any collective exists, so none waits for another: the first to get there stops, and
+    # torchrun stops the others at once (a rank that started later may not have printed the error yet).
+    assert res.returncode != 0 and res.stderr.count("already holds a run") >= 1
+    assert "trainer_utils/" not in res.stderr and 'train_pretrain.py", line' not in res.stderr  # no crash of ours
+    assert time.time() - t0 < 60  # nobody hangs
 
 
 def test_srun_tasks_get_the_launchers_rendezvous(monkeypatch):

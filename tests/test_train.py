@@ -394,3 +394,18 @@ def test_no_checkpoints_writes_none(corpus, tmp_path, capsys):
     argv = flags(corpus, tmp_path, "early", early_stop_patience=2, val_fraction=0.1) + ["--no-checkpoints"]
     assert train_pretrain.main(argv) != 0
     assert "need checkpoints" in capsys.readouterr().err
+
+
+def test_init_from_refuses_another_tokenizer(corpus, tmp_path, capsys):
+    """The --init_from weights learned their tokenizer's ids: fine-tuning them through another --tokenizer would
+    train silently on mismatched ids. The checkpoint's own tokenizer (or no --tokenizer) is fine."""
+    import shutil
+    assert train_pretrain.main(flags(corpus, tmp_path, "base", max_steps=2)) == 0
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(ROOT / "model" / "tokenizer", other)
+    (other / "tokenizer.json").write_text(json.dumps(json.loads((other / "tokenizer.json").read_text())) + "\n")
+    sft = flags(corpus, tmp_path, "sft", data_path=corpus["sft"], preset=None, max_steps=1, init_from=tmp_path / "base")
+    assert train_full_sft.main([*sft, "--tokenizer", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --tokenizer {other} is not the tokenizer --init_from" in err and "Traceback" not in err
+    assert train_full_sft.main([*sft, "--overwrite"]) == 0  # the checkpoint's tokenizer
