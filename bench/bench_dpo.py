@@ -53,7 +53,7 @@ from trainer_utils.runtime import Precision  # noqa: E402
 
 DEMO_PAIRS = ROOT / "dataset" / "demo" / "dpo_demo.jsonl"
 VARIANTS = ("cached", "recomputed")
-REFERENCE_BATCH_FACTOR = 1  # Trainer._prepare_reference walks the pairs in training-sized batches
+REFERENCE_BATCH_FACTOR = 1  # the DPO stage's prepare hook walks the pairs in training-sized batches
 
 
 def cpu_model() -> str:
@@ -78,9 +78,9 @@ def load_pairs(data_path: str, cache_dir: str | None, num_workers: int | None, t
 
 def reference_pass(reference: torch.nn.Module, batches: Iterable[tuple[np.ndarray, torch.Tensor, torch.Tensor]],
                    values: np.ndarray, precision: Precision, device: torch.device) -> tuple[float, list[np.ndarray]]:
-    """Fill `values` [pair, chosen/rejected] with the reference log-probs of (indices, x, y) batches, as
-    Trainer._prepare_reference does; the seconds it took (building the rows included, as there) and the
-    batches' indices."""
+    """Fill `values` [pair, chosen/rejected] with the reference log-probs of (indices, x, y) batches, as the DPO
+    stage's prepare hook (trainer_utils/stages/dpo.py) does; the seconds it took (building the rows included, as
+    there) and the batches' indices."""
     done = []
     synchronize(device)
     t0 = time.perf_counter()
