@@ -25,6 +25,7 @@ from common.config import option, parse_config
 from common.device import choose_dtype, dtype_name
 from common.errors import ConfigError, PocketLMError
 from dataset.jsonl import SkipReport, check_path, read_records
+from dataset.tasks import Task, read_task_file
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import load_model
 from model.generate import SamplingConfig
@@ -41,6 +42,7 @@ from model.inference import (
     token_byte_lengths,
 )
 from model.probes import Probe, read_prompt_file, run_probes
+from model.scoring import TaskScore, score_items, task_table
 from model.stats import RouterLoad
 from model.sweep import SettingResult, SweepReport, SweepSpec, parse_sweep, run_sweep
 
@@ -174,6 +176,17 @@ class Evaluator:
                             self.tok.pad_id, on_result=progress)
         return SweepReport(spec, self.sampling, seed, options.sweep_samples, texts, options.max_repeat, results)
 
+    def tasks(self, tasks: list[Task], limit: int | None, batch_size: int) -> list[TaskScore]:
+        """Score benchmark tasks (dataset/tasks.py) by log-likelihood, as lm-evaluation-harness does: raw text, no
+        chat template, whatever the checkpoint's prompt format; print one row per task and the chance-centred
+        average of the ranked-choice ones."""
+        scores = []
+        for task in tasks:
+            items = task.items[:limit] if limit else task.items
+            scores.append(score_items(self.model, task.name, items, self.tok.encode, self.tok.eot_id, batch_size))
+        print(task_table(scores), flush=True)
+        return scores
+
     def perplexity(self, path: str) -> None:
         """Token-weighted perplexity and bits per byte of a {"text"} or {"conversations"} JSONL file."""
         first = next(read_records(path, "any", self.skip_bad_lines))[1]
@@ -213,6 +226,12 @@ class EvalTask:
     prompt_format: Literal["text", "chat"] | None = option(None, "override train_info.json's prompt format (text: "
                                                                  "raw continuation, chat: the chat template)")
     skip_bad_lines: bool = option(False, "--ppl: skip and count malformed lines")
+    task_file: list[str] | None = option(None, "score a benchmark task file by log-likelihood: ranked choices "
+                                                "(accuracy) or continuations (bits per byte); JSONL of request or "
+                                                "item lines (docs/evaluation.md); several files: several tasks",
+                                  metavar="F.jsonl", several=True)
+    limit: int | None = option(None, "--task_file: the first N items of each task", at_least=1)
+    task_batch_size: int = option(16, "--task_file: continuations scored per forward", at_least=1)
 
 
 @dataclass
@@ -247,7 +266,9 @@ class EvalConfig:
     def check(self) -> None:
         if self.task.checkpoint is None:
             raise ConfigError("--checkpoint is required")
-        modes = [f"--{m}" for m in ("prompt", "chat", "ppl", "probes") if getattr(self.task, m)]
+        modes = [f"--{m}" for m in ("prompt", "chat", "ppl", "probes", "task_file") if getattr(self.task, m)]
+        if self.task.limit is not None and not self.task.task_file:
+            raise ConfigError("--limit: only with --task_file")
         sweep = self.sweep
         if sweep.sweep:
             if len(sweep.sweep) > 1:
@@ -289,13 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         probes = read_prompt_file(task.probes) if task.probes else None
         if task.ppl:
             check_path(task.ppl)
+        tasks = [read_task_file(path) for path in task.task_file or []]
         spec, sweep_texts = sweep_inputs(config)
         ev = Evaluator(config, device)
-        if ev.budget < 1 and not task.ppl:
+        if ev.budget < 1 and not (task.ppl or tasks):
             raise ConfigError(f"--max_new_tokens {config.sampling.max_new_tokens} leaves no room for a prompt "
                               f"(max_position_embeddings {ev.model.config.max_position_embeddings})")
         if task.ppl:
             ev.perplexity(task.ppl)
+        elif tasks:
+            ev.tasks(tasks, task.limit, task.task_batch_size)
         elif spec:
             sweep = config.sweep
             report = ev.sweep(spec, sweep_texts, sweep)

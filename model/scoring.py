@@ -1,0 +1,168 @@
+"""Scoring continuations by log-likelihood: the engine of benchmark tasks (ranked choices, bits per byte).
+
+Tokenization follows lm-evaluation-harness, so per-item log-likelihoods can be compared with it: trailing
+spaces of the context move to the continuation, the pair is encoded whole, and the continuation's tokens are
+those past the context's own encoding (so a merge across the boundary is the continuation's); an empty context
+is the end-of-text token. Pairs are scored in batches of similar length, right-padded (causal attention: a
+real token never sees the padding after it), the context cut from the left to fit the model's positions.
+
+Nothing here imports dataset/: the tokenizer's encode function and end-of-text id are passed in.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Encode = Callable[[str], list[int]]
+
+
+def encode_pair(encode: Encode, context: str, continuation: str, eot_id: int) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-evaluation-harness splits them."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    if not context:
+        return [eot_id], encode(continuation)
+    whole, head = encode(context + continuation), encode(context)
+    return head, whole[len(head):]
+
+
+@dataclass(frozen=True)
+class ContinuationScore:
+    """A continuation's summed log-probability (nats), its token count, and whether greedy decoding from the
+    context would produce exactly it."""
+
+    logprob: float
+    tokens: int
+    greedy: bool
+
+
+@torch.no_grad()
+def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 16,
+                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                pad_id: int = 0) -> list[ContinuationScore]:
+    """Each (context ids, continuation ids) pair's score, in the order given. Longest first in batches (fewer
+    pads; an out-of-memory shows on the first batch)."""
+    max_len = model.config.max_position_embeddings
+    device = next(model.parameters()).device
+    order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+    scores: list[ContinuationScore | None] = [None] * len(pairs)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        rows = []
+        for i in chunk:
+            context, continuation = pairs[i]
+            if not continuation:
+                raise ValueError(f"pair {i}: the continuation encodes to no tokens")
+            if len(continuation) > max_len:
+                raise ValueError(f"pair {i}: a {len(continuation)}-token continuation exceeds the model's "
+                                 f"{max_len} positions")
+            ids = (context + continuation)[-(max_len + 1):]  # inputs are all but the last token
+            rows.append((ids, len(continuation)))
+        width = max(len(ids) - 1 for ids, _ in rows)
+        x = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        for r, (ids, _) in enumerate(rows):
+            x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+        model.eval()
+        with autocast():
+            logits = model(x.to(device))
+        logp = F.log_softmax(logits.float(), dim=-1)
+        for r, (i, (ids, n)) in enumerate(zip(chunk, rows)):
+            end = len(ids) - 1  # predictions of positions end-n .. end-1 are the continuation's tokens
+            targets = torch.tensor(ids[-n:], device=device)
+            row = logp[r, end - n:end]
+            picked = row.gather(1, targets[:, None])[:, 0]
+            scores[i] = ContinuationScore(float(picked.sum()), n, bool((row.argmax(-1) == targets).all()))
+    return scores  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One ranked-choice item scored: the choice picked by total log-likelihood (acc) and by log-likelihood per
+    character of the choice (acc_norm, lm-evaluation-harness's normalisation), and the gold one's index."""
+
+    pick: int
+    pick_norm: int
+    gold: int
+
+
+def rank_choices(scores: Sequence[ContinuationScore], choices: Sequence[str], gold: int) -> ChoiceResult:
+    """The picks among one item's choices (ties: the first)."""
+    logps = [s.logprob for s in scores]
+    per_char = [lp / max(len(c), 1) for lp, c in zip(logps, choices)]
+    return ChoiceResult(max(range(len(logps)), key=logps.__getitem__),
+                        max(range(len(per_char)), key=per_char.__getitem__), gold)
+
+
+def bits_per_byte(scores: Sequence[ContinuationScore], continuations: Sequence[str]) -> float:
+    """Bits per UTF-8 byte of the continuations, over all of them together."""
+    nats = -sum(s.logprob for s in scores)
+    return nats / math.log(2) / sum(len(c.encode("utf-8")) for c in continuations)
+
+
+class Item(Protocol):
+    """What a task item offers (dataset/tasks.py TaskItem): the scorer does not import the data layer."""
+
+    context: str
+    continuations: tuple[str, ...]
+    gold: int
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """A task's result: its size, and accuracy (ranked choices: acc, acc_norm, the chance of guessing and the
+    chance-centred accuracy (acc - chance) / (1 - chance), 0 for guessing and 1 for all right) or bits per byte."""
+
+    name: str
+    items: int
+    acc: float | None = None
+    acc_norm: float | None = None
+    chance: float | None = None
+    bpb: float | None = None
+
+    @property
+    def centred(self) -> float | None:
+        if self.acc is None or self.chance is None or self.chance >= 1:
+            return None
+        return (self.acc - self.chance) / (1 - self.chance)
+
+
+def score_items(model: torch.nn.Module, name: str, items: Sequence[Item], encode: Encode, eot_id: int,
+                batch_size: int = 16, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                ) -> TaskScore:
+    """Score a task's items: every continuation of every item in one batched pass."""
+    pairs, owner = [], []
+    for k, item in enumerate(items):
+        for continuation in item.continuations:
+            pairs.append(encode_pair(encode, item.context, continuation, eot_id))
+            owner.append(k)
+    scores = score_pairs(model, pairs, batch_size, autocast, pad_id=eot_id)
+    per_item: list[list[ContinuationScore]] = [[] for _ in items]
+    for k, score in zip(owner, scores):
+        per_item[k].append(score)
+    if all(len(item.continuations) == 1 for item in items):
+        return TaskScore(name, len(items), bpb=bits_per_byte(scores, [item.continuations[0] for item in items]))
+    results = [rank_choices(s, item.continuations, item.gold) for s, item in zip(per_item, items)]
+    n = len(results)
+    return TaskScore(name, n, acc=sum(r.pick == r.gold for r in results) / n,
+                     acc_norm=sum(r.pick_norm == r.gold for r in results) / n,
+                     chance=sum(1 / len(item.continuations) for item in items) / n)
+
+
+def task_table(scores: Sequence[TaskScore]) -> str:
+    """The scores as a Markdown table, with the chance-centred average of the ranked-choice tasks."""
+    def cell(value: float | None) -> str:
+        return "" if value is None else f"{value:.4f}"
+    rows = ["| task | items | acc | acc_norm | chance | centred | bits/byte |", "|---|--:|--:|--:|--:|--:|--:|"]
+    rows += [f"| {s.name} | {s.items} | {cell(s.acc)} | {cell(s.acc_norm)} | {cell(s.chance)} | {cell(s.centred)} | "
+             f"{cell(s.bpb)} |" for s in scores]
+    centred = [s.centred for s in scores if s.centred is not None]
+    if centred:
+        rows.append(f"\ncentred accuracy, averaged over {len(centred)} ranked-choice tasks: "
+                    f"{sum(centred) / len(centred):.4f} (0: guessing, 1: all right)")
+    return "\n".join(rows)

@@ -1,0 +1,191 @@
+"""Benchmark tasks: reading task files (both line formats, file:line errors), and scoring continuations checked
+against an independent computation: one unbatched forward per continuation, its log-probabilities summed by hand."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from common.errors import DataError
+from dataset.tasks import read_task_file
+from model import PocketLM
+from model.scoring import bits_per_byte, encode_pair, rank_choices, score_items, score_pairs
+
+from conftest import tiny_config, write_jsonl
+
+
+def request_lines(doc_id, context, choices, gold):
+    return [{"doc_id": doc_id, "idx": i, "label": gold, "request": {"context": context, "continuation": c}}
+            for i, c in enumerate(choices)]
+
+
+def test_request_lines_and_item_lines_read_as_the_same_items(tmp_path):
+    requests = write_jsonl(tmp_path / "req.jsonl", [*request_lines(3, "Q: 2+2?\nA:", [" 3", " 4", " 5"], 1),
+                                                    *request_lines(4, "Q: sky?\nA:", [" blue", " red"], 0)])
+    items = write_jsonl(tmp_path / "items.jsonl", [{"id": "3", "context": "Q: 2+2?\nA:", "choices": [" 3", " 4", " 5"],
+                                                    "gold": 1},
+                                                   {"id": "4", "context": "Q: sky?\nA:", "choices": [" blue", " red"],
+                                                    "gold": 0}])
+    a, b = read_task_file(requests), read_task_file(items, name="items")
+    assert a.items == b.items and a.kind == b.kind == "choice" and (a.name, b.name) == ("req", "items")
+    assert a.items[0].continuations == (" 3", " 4", " 5") and a.items[0].gold == 1
+
+
+def test_single_continuations_are_a_bits_per_byte_task(tmp_path):
+    path = write_jsonl(tmp_path / "lambada.jsonl", [{"context": "The cat sat on the", "continuation": " mat"},
+                                                    {"doc_id": 9, "label": ["c"],  # lambada's: the answer's text
+                                                     "request": {"context": "A b", "continuation": " c"}}])
+    task = read_task_file(path)
+    assert task.kind == "bpb" and [i.continuations for i in task.items] == [(" mat",), (" c",)]
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["{not json"], "t.jsonl:1: invalid JSON"),
+    (["[1, 2]"], "t.jsonl:1: expected a JSON object"),
+    ([{"context": "a", "choices": [" b", " c"], "gold": 2}], "t.jsonl:1: \"gold\" 2 is not one of the 2 choices"),
+    ([{"context": "a", "choices": [" b"], "gold": 0}], "t.jsonl:1: \"choices\" must be a list of at least 2"),
+    ([{"context": 3, "continuation": " b"}], "t.jsonl:1: \"context\" must be a string"),
+    ([{"choices": [" b", " c"], "gold": 0}], "t.jsonl:1: \"context\" must be a string"),
+    ([*request_lines(1, "a", [" b", " c"], 0)[:1], {"doc_id": 1, "idx": 2, "label": 0,
+                                                     "request": {"context": "a", "continuation": " d"}}],
+     "t.jsonl:1: doc 1 has choices [0, 2], expected 0..1"),
+    ([request_lines(1, "a", [" b", " c"], 0)[0], {**request_lines(1, "other", [" b", " c"], 0)[1]}],
+     "t.jsonl:2: doc 1 has another context or label"),
+    ([*request_lines(1, "a", [" b", " c"], 5)], "doc 1: label 5 is not one of its 2 choices"),
+    ([*request_lines(1, "a", [" b", " c"], "b")], "doc 1: \"label\" must be the index of the right one"),
+    ([{"context": "a", "continuation": " b"}, {"context": "a", "choices": [" b", " c"], "gold": 0}],
+     "mixes items with several choices and items with one continuation"),
+    ([], "t.jsonl: no task items"),
+])
+def test_bad_task_files_name_the_file_and_line(tmp_path, lines, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    with pytest.raises(DataError, match=message.replace("[", r"\[").replace("]", r"\]").replace("+", r"\+")):
+        read_task_file(path)
+
+
+def test_a_missing_task_file_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        read_task_file(tmp_path / "absent.jsonl")
+
+
+@pytest.mark.parametrize("context, continuation", [("Question: Which is a fruit?\nAnswer:", " apple"),
+                                                   ("The capital of France is ", "Paris"),  # space moves over
+                                                   ("", "Hello world"), ("床前明月光，", "疑是地上霜"),
+                                                   ("The answer is th", "e end")])  # a word across the boundary
+def test_pairs_split_as_the_reference_harness_splits_them(tokenizer, context, continuation):
+    """lm-evaluation-harness: the continuation is what encoding the whole pair adds past the context's own
+    encoding, not the continuation encoded alone (they differ when a word spans the boundary)."""
+    head, tail = encode_pair(tokenizer.encode, context, continuation, tokenizer.eot_id)
+    stripped = context.rstrip()
+    if stripped:
+        whole = tokenizer.encode(context + continuation)
+        assert head == tokenizer.encode(stripped) and tail == whole[len(head):]
+    else:
+        assert head == [tokenizer.eot_id] and tail == tokenizer.encode(continuation)
+    if context.endswith(" th"):
+        assert tail != tokenizer.encode(continuation)
+
+
+def independent_logprob(model, context, continuation):
+    """One unbatched forward over the whole pair (cut from the left to the model's positions); the
+    continuation's token log-probabilities summed one by one."""
+    ids = (context + continuation)[-(model.config.max_position_embeddings + 1):]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0].double()
+    total, greedy = 0.0, True
+    for j in range(len(ids) - len(continuation), len(ids)):
+        row = logits[j - 1]
+        total += float(row[ids[j]] - torch.logsumexp(row, 0))
+        greedy &= int(row.argmax()) == ids[j]
+    return total, greedy
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    # a larger init than training's makes the choices' scores differ clearly
+    return PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3, max_position_embeddings=96)).eval()
+
+
+def test_batched_scores_equal_one_forward_per_continuation(model, tokenizer):
+    texts = [("Question: What is 2+2?\nAnswer:", " four"), ("The sky is", " blue and wide"), ("", "Once"),
+             ("床前明月光，", "疑是地上霜"), ("word " * 120, " end")]  # the last is cut from the left
+    pairs = [encode_pair(tokenizer.encode, c, x, tokenizer.eot_id) for c, x in texts]
+    assert len(pairs[-1][0]) + len(pairs[-1][1]) > model.config.max_position_embeddings
+    for batch_size in (1, 2, 16):
+        scores = score_pairs(model, pairs, batch_size=batch_size, pad_id=tokenizer.eot_id)
+        for (context, continuation), score in zip(pairs, scores):
+            logprob, greedy = independent_logprob(model, context, continuation)
+            assert score.logprob == pytest.approx(logprob, abs=2e-4) and score.tokens == len(continuation)
+            assert score.greedy == greedy
+
+
+def test_task_scores_equal_the_independent_computation(model, tokenizer, tmp_path):
+    items = [{"id": str(k), "context": f"Question {k}: pick one.\nAnswer:", "choices": [" yes", " no", " maybe so"],
+              "gold": k % 3} for k in range(12)]
+    task = read_task_file(write_jsonl(tmp_path / "toy.jsonl", items))
+    score = score_items(model, task.name, task.items, tokenizer.encode, tokenizer.eot_id, batch_size=5)
+    picks, picks_norm = [], []
+    for item in task.items:
+        logps = [independent_logprob(model, *encode_pair(tokenizer.encode, item.context, c, tokenizer.eot_id))[0]
+                 for c in item.continuations]
+        picks.append(max(range(3), key=logps.__getitem__) == item.gold)
+        norm = [lp / len(c) for lp, c in zip(logps, item.continuations)]
+        picks_norm.append(max(range(3), key=norm.__getitem__) == item.gold)
+    assert score.items == 12 and score.acc == sum(picks) / 12 and score.acc_norm == sum(picks_norm) / 12
+    assert score.chance == pytest.approx(1 / 3) and score.centred == pytest.approx((score.acc - 1 / 3) / (2 / 3))
+
+
+def test_bits_per_byte_of_a_continuation_task(model, tokenizer, tmp_path):
+    rows = [{"context": "The cat sat on the", "continuation": " mat"}, {"context": "你好", "continuation": "，世界"}]
+    task = read_task_file(write_jsonl(tmp_path / "bpb.jsonl", rows))
+    score = score_items(model, task.name, task.items, tokenizer.encode, tokenizer.eot_id)
+    nats = -sum(independent_logprob(model, *encode_pair(tokenizer.encode, r["context"], r["continuation"],
+                                                        tokenizer.eot_id))[0] for r in rows)
+    n_bytes = sum(len(r["continuation"].encode()) for r in rows)
+    assert score.acc is None and score.bpb == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+
+
+def test_ranking_picks_the_most_likely_and_the_most_likely_per_character():
+    from model.scoring import ContinuationScore as S
+    scores = [S(-6.0, 2, False), S(-5.0, 2, False), S(-9.0, 4, False)]
+    result = rank_choices(scores, [" ab", " c", " longer choice"], gold=2)
+    assert (result.pick, result.pick_norm) == (1, 2)  # -9/14 per char beats -5/2 and -6/3
+    # per character of the choice as given, its leading space included (lm-evaluation-harness's acc_norm)
+    assert rank_choices([S(-1.5, 1, False), S(-2.0, 1, False)], [" a", "bc"], gold=0).pick_norm == 0
+    assert bits_per_byte([S(-math.log(2) * 8, 3, True)], ["abcd"]) == pytest.approx(2.0)
+
+
+def test_eval_model_scores_task_files(tmp_path, capsys):
+    """eval_model.py --task_file: one row per task, with the scores the library computes for the same model."""
+    import eval_model
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+    from model.loading import save_model
+
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3))
+    save_model(model, tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    choice = write_jsonl(tmp_path / "toy_choice.jsonl", [{"context": f"Q{k}:", "choices": [" a", " bb", " c"],
+                                                          "gold": k % 3} for k in range(9)])
+    bpb = write_jsonl(tmp_path / "toy_bpb.jsonl", [{"context": "The cat sat on the", "continuation": " mat"}])
+    argv = ["--checkpoint", str(tmp_path / "m"), "--task_file", str(choice), str(bpb), "--limit", "6",
+            "--device", "cpu", "--dtype", "float32"]
+    assert eval_model.main(argv) == 0
+    out = capsys.readouterr().out
+    tok, model = Tokenizer(), model.eval()
+    expected = score_items(model, "toy_choice", read_task_file(choice).items[:6], tok.encode, tok.eot_id)
+    assert f"| toy_choice | 6 | {expected.acc:.4f} | {expected.acc_norm:.4f} | 0.3333 |" in out
+    assert "| toy_bpb | 1 |" in out and "averaged over 1 ranked-choice tasks" in out
+
+
+def test_eval_model_task_file_errors_are_one_line(tmp_path, capsys):
+    import eval_model
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "choices": [" b", " c"], "gold": 7}\n')
+    assert eval_model.main(["--checkpoint", str(tmp_path), "--task_file", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad}:1: \"gold\" 7 is not one of the 2 choices")
+    assert eval_model.main(["--checkpoint", str(tmp_path), "--limit", "3"]) == 2
+    assert "--limit: only with --task_file" in capsys.readouterr().err
