@@ -84,7 +84,8 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
 @dataclass(frozen=True)
 class ChoiceResult:
     """One ranked-choice item scored: the choice picked by total log-likelihood (acc) and by log-likelihood per
-    character of the choice (acc_norm, lm-evaluation-harness's normalisation), and the gold one's index."""
+    character of the choice (acc_norm, lm-evaluation-harness's normalisation: the characters of the choice
+    without the space that joins it to the context), and the gold one's index."""
 
     pick: int
     pick_norm: int
@@ -94,7 +95,7 @@ class ChoiceResult:
 def rank_choices(scores: Sequence[ContinuationScore], choices: Sequence[str], gold: int) -> ChoiceResult:
     """The picks among one item's choices (ties: the first)."""
     logps = [s.logprob for s in scores]
-    per_char = [lp / max(len(c), 1) for lp, c in zip(logps, choices)]
+    per_char = [lp / max(len(c.removeprefix(" ")), 1) for lp, c in zip(logps, choices)]
     return ChoiceResult(max(range(len(logps)), key=logps.__getitem__),
                         max(range(len(per_char)), key=per_char.__getitem__), gold)
 

