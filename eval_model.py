@@ -42,7 +42,7 @@ from model.inference import (
     token_byte_lengths,
 )
 from model.probes import Probe, read_prompt_file, run_probes
-from model.scoring import TaskScore, score_items, task_table
+from model.scoring import TaskScore, score_items, task_table, write_scores
 from model.stats import RouterLoad
 from model.sweep import SettingResult, SweepReport, SweepSpec, parse_sweep, run_sweep
 
@@ -253,7 +253,8 @@ class SweepConfig:
                                              "dataset/prompts/samples.txt; or give --prompt TEXT)", metavar="FILE")
     max_repeat: float = option(0.1, "--sweep: the best value is the lowest self-perplexity among those whose "
                                     "repeated-trigram rate is at most this", at_least=0, at_most=1)
-    out: str | None = option(None, "--sweep: write settings, scores and samples as JSON", metavar="F.json")
+    out: str | None = option(None, "write the results as JSON: --sweep's settings, scores and samples, or each "
+                                   "task's scores (--tasks, --task_file)", metavar="F.json")
     plot: str | None = option(None, "--sweep: plot the scores over the values (needs matplotlib)",
                               metavar="F.png")
 
@@ -285,11 +286,16 @@ class EvalConfig:
                 raise ConfigError("--prompt and --sweep_prompts both give the sweep's prompts; give one")
             modes = [m for m in modes if m != "--prompt"] + ["--sweep"]  # --prompt: the prompts to sweep over
         else:
-            stray = [f"--{name}" for name in ("sweep_prompts", "out", "plot") if getattr(sweep, name)]
+            scored = self.task.tasks or self.task.task_file
+            stray = [f"--{name}" for name in ("sweep_prompts", "out", "plot")
+                     if getattr(sweep, name) and not (name == "out" and scored)]
             if stray:
                 raise ConfigError(f"{' and '.join(stray)}: only with --sweep")
         if len(modes) > 1:
             raise ConfigError(f"{' and '.join(modes)} are alternatives; give one")
+        for flag, path in (("--out", sweep.out), ("--plot", sweep.plot)):
+            if path and Path(path).is_dir():
+                raise ConfigError(f"{flag} {path} is a directory; give a file name")
 
 
 def sweep_inputs(config: EvalConfig) -> tuple[SweepSpec | None, list[str]]:
@@ -298,9 +304,6 @@ def sweep_inputs(config: EvalConfig) -> tuple[SweepSpec | None, list[str]]:
     sweep = config.sweep
     if not sweep.sweep:
         return None, []
-    for flag, path in (("--out", sweep.out), ("--plot", sweep.plot)):
-        if path and Path(path).is_dir():
-            raise ConfigError(f"{flag} {path} is a directory; give a file name")
     if sweep.plot and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--plot needs matplotlib (pip install matplotlib)")
     texts = config.task.prompt or [p.prompt for p in read_prompt_file(sweep.sweep_prompts or DEFAULT_SWEEP_PROMPTS)]
@@ -326,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         if task.ppl:
             ev.perplexity(task.ppl)
         elif tasks:
-            ev.tasks(tasks, task.limit, task.task_batch_size)
+            scores = ev.tasks(tasks, task.limit, task.task_batch_size)
+            if config.sweep.out:
+                write_scores(config.sweep.out, scores, checkpoint=task.checkpoint, limit=task.limit)
+                note(f"wrote {config.sweep.out}")
         elif spec:
             sweep = config.sweep
             report = ev.sweep(spec, sweep_texts, sweep)

@@ -11,8 +11,11 @@ Nothing here imports dataset/: the tokenizer's encode function and end-of-text i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -166,3 +169,12 @@ def task_table(scores: Sequence[TaskScore]) -> str:
         rows.append(f"\ncentred accuracy, averaged over {len(centred)} ranked-choice tasks: "
                     f"{sum(centred) / len(centred):.4f} (0: guessing, 1: all right)")
     return "\n".join(rows)
+
+
+def write_scores(path: str | Path, scores: Sequence[TaskScore], **extra: object) -> None:
+    """The scores as strict JSON: `extra` (e.g. the checkpoint), each task's, and the centred average."""
+    centred = [s.centred for s in scores if s.centred is not None]
+    doc = {**extra, "tasks": [{**dataclasses.asdict(s), "centred": s.centred} for s in scores],
+           "centred_average": sum(centred) / len(centred) if centred else None}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")

@@ -207,6 +207,12 @@ def test_eval_model_scores_task_files(tmp_path, capsys):
     expected = score_items(model, "toy_choice", read_task_file(choice).items[:6], tok.encode, tok.eot_id)
     assert f"| toy_choice | 6 | {expected.acc:.4f} | {expected.acc_norm:.4f} | 0.3333 |" in out
     assert "| toy_bpb | 1 |" in out and "averaged over 1 ranked-choice tasks" in out
+    assert eval_model.main([*argv, "--out", str(tmp_path / "scores.json")]) == 0
+    doc = json.loads((tmp_path / "scores.json").read_text())
+    assert doc["checkpoint"] == str(tmp_path / "m") and doc["limit"] == 6
+    assert [t["name"] for t in doc["tasks"]] == ["toy_choice", "toy_bpb"]
+    assert doc["tasks"][0]["acc"] == expected.acc and doc["tasks"][0]["chance"] == pytest.approx(1 / 3)
+    assert doc["centred_average"] == pytest.approx(expected.centred) and doc["tasks"][1]["bpb"] > 0
 
 
 def test_eval_model_task_file_errors_are_one_line(tmp_path, capsys):
