@@ -195,3 +195,14 @@ def task_names(value: str) -> list[str]:
     """--tasks' comma-separated names, "core" standing for CORE_TASKS."""
     names = [n.strip() for n in value.split(",") if n.strip()]
     return [c for n in names for c in (CORE_TASKS if n == "core" else (n,))]
+
+
+def load_tasks(spec: str, limit: int | None = None) -> list[Task]:
+    """Comma-separated task names (packaged, "core" for CORE_TASKS) and task files (a path that exists, or ends
+    in .jsonl / .gz), each cut to its first `limit` items."""
+    tasks = []
+    for entry in task_names(spec):
+        is_file = Path(entry).exists() or entry.endswith((".jsonl", ".gz"))
+        task = read_task_file(entry) if is_file else packaged_task(entry)
+        tasks.append(Task(task.name, task.kind, task.items[:limit] if limit else task.items, task.source))
+    return tasks

@@ -135,26 +135,64 @@ class TaskScore:
         return (self.acc - self.chance) / (1 - self.chance)
 
 
-def score_items(model: torch.nn.Module, name: str, items: Sequence[Item], encode: Encode, eot_id: int,
-                batch_size: int = 16, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                ) -> TaskScore:
-    """Score a task's items: every continuation of every item in one batched pass."""
+@dataclass(frozen=True)
+class TaskTotals:
+    """A task's sums over some of its items (one rank's share): what ranks add up before a TaskScore is made.
+    kind: "choice" (counts of right picks) or "bpb" (nats and bytes of the continuations)."""
+
+    kind: str
+    items: int = 0
+    correct: int = 0
+    correct_norm: int = 0
+    chance: float = 0.0  # summed 1 / choices
+    nats: float = 0.0
+    bytes: int = 0
+
+    def as_list(self) -> list[float]:
+        return [self.items, self.correct, self.correct_norm, self.chance, self.nats, self.bytes]
+
+    @classmethod
+    def from_list(cls, kind: str, values: Sequence[float]) -> TaskTotals:
+        items, correct, correct_norm, chance, nats, n_bytes = values
+        return cls(kind, round(items), round(correct), round(correct_norm), chance, nats, round(n_bytes))
+
+    def score(self, name: str) -> TaskScore:
+        n = self.items
+        if self.kind == "bpb":
+            return TaskScore(name, n, bpb=self.nats / math.log(2) / self.bytes if self.bytes else None)
+        if n == 0:
+            return TaskScore(name, 0)
+        return TaskScore(name, n, acc=self.correct / n, acc_norm=self.correct_norm / n, chance=self.chance / n)
+
+
+def task_totals(model: torch.nn.Module, items: Sequence[Item], encode: Encode, eot_id: int, batch_size: int = 16,
+                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                kind: str | None = None) -> TaskTotals:
+    """Score items (every continuation of every item in one batched pass) into their sums. `kind` is the
+    task's (needed when `items` may be empty, e.g. a rank's share); by default, what the items are."""
+    kind = kind or ("bpb" if all(len(item.pairs) == 1 for item in items) else "choice")
     pairs, owner = [], []
     for k, item in enumerate(items):
         for context, continuation in item.pairs:
             pairs.append(encode_pair(encode, context, continuation, eot_id))
             owner.append(k)
     scores = score_pairs(model, pairs, batch_size, autocast, pad_id=eot_id)
+    if kind == "bpb":
+        return TaskTotals(kind, len(items), nats=-sum(s.logprob for s in scores),
+                          bytes=sum(len(item.pairs[0][1].encode("utf-8")) for item in items))
     per_item: list[list[ContinuationScore]] = [[] for _ in items]
     for k, score in zip(owner, scores):
         per_item[k].append(score)
-    if all(len(item.pairs) == 1 for item in items):
-        return TaskScore(name, len(items), bpb=bits_per_byte(scores, [item.pairs[0][1] for item in items]))
     results = [rank_choices(s, [c for _, c in item.pairs], item.gold) for s, item in zip(per_item, items)]
-    n = len(results)
-    return TaskScore(name, n, acc=sum(r.pick == r.gold for r in results) / n,
-                     acc_norm=sum(r.pick_norm == r.gold for r in results) / n,
-                     chance=sum(1 / len(item.pairs) for item in items) / n)
+    return TaskTotals(kind, len(results), sum(r.pick == r.gold for r in results),
+                      sum(r.pick_norm == r.gold for r in results), sum(1 / len(item.pairs) for item in items))
+
+
+def score_items(model: torch.nn.Module, name: str, items: Sequence[Item], encode: Encode, eot_id: int,
+                batch_size: int = 16, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                ) -> TaskScore:
+    """A task's score over `items`."""
+    return task_totals(model, items, encode, eot_id, batch_size, autocast).score(name)
 
 
 def task_table(scores: Sequence[TaskScore]) -> str:

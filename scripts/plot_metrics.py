@@ -3,7 +3,8 @@
     python scripts/plot_metrics.py out/<run> [--out loss.png] [--smooth 0.9]
 
 Top panel: train loss (faint), its smoothed curve and validation loss points (the legend gives the last
-validation bits per byte, when logged); bottom panel: learning rate.
+validation bits per byte, when logged); then, for a run with --eval_tasks, each task's chance-centred accuracy
+and their average; bottom panel: learning rate.
 Lines that are not JSON objects with a numeric "step" are skipped and counted. When a resumed run logs a
 step again, the later line wins, so the curve shows the run as it continued.
 """
@@ -40,10 +41,15 @@ def read_metrics(path: Path, names: tuple[str, ...] = SERIES) -> tuple[dict[str,
             if not isinstance(record, dict) or not is_number(record.get("step")):
                 bad += 1
                 continue
-            for name in names:  # other keys (grad_norm, event, ...) are ignored
-                if is_number(record.get(name)):
-                    series[name][record["step"]] = float(record[name])
+            for name, value in record.items():  # other keys (grad_norm, event, ...) are ignored
+                if (name in names or is_task_series(name)) and is_number(value):
+                    series.setdefault(name, {})[record["step"]] = float(value)
     return {name: dict(sorted(points.items())) for name, points in series.items()}, bad
+
+
+def is_task_series(name: str) -> bool:
+    """--eval_tasks' chance-centred accuracies: task/<name>/centred and their average, tasks_centred."""
+    return name == "tasks_centred" or (name.startswith("task/") and name.endswith("/centred"))
 
 
 def smooth(values: list[float], weight: float) -> list[float]:
@@ -61,8 +67,22 @@ def plot(series: dict[str, dict[float, float]], out: Path, title: str, weight: f
     matplotlib.use("Agg")  # no display needed (servers, CI)
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(9, 6),
-                                         gridspec_kw={"height_ratios": (3, 1)})
+    tasks = {name: points for name, points in series.items() if is_task_series(name) and points}
+    rows = (3, 2, 1) if tasks else (3, 1)
+    fig, axes = plt.subplots(len(rows), 1, sharex=True, figsize=(9, 6 + 2 * bool(tasks)),
+                             gridspec_kw={"height_ratios": rows})
+    ax_loss, ax_lr = axes[0], axes[-1]
+    if tasks:
+        ax_tasks = axes[1]
+        for name, points in sorted(tasks.items()):
+            average = name == "tasks_centred"
+            ax_tasks.plot(list(points), list(points.values()), "o-", markersize=3, linewidth=2 if average else 1,
+                          color="black" if average else None,
+                          label="average" if average else name.removeprefix("task/").removesuffix("/centred"))
+        ax_tasks.axhline(0, color="gray", linewidth=0.8)
+        ax_tasks.set_ylabel("centred accuracy")
+        ax_tasks.grid(alpha=0.3)
+        ax_tasks.legend(fontsize="small", ncol=3)
     train, val, lr = series["loss"], series["val_loss"], series["lr"]
     if train:
         steps, values = list(train), list(train.values())

@@ -329,3 +329,103 @@ def test_scores_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
     score = score_items(model, "arc_easy", items, tok.encode, tok.eot_id)
     assert score.acc == pytest.approx(sum(s["acc"] for s in theirs) / len(items))
     assert score.acc_norm == pytest.approx(sum(s["acc_norm"] for s in theirs) / len(items))
+
+
+# ------------------------------------------------------------------ in-loop: --eval_tasks
+WORDS = "the of and a to in is was he for it with as his on be at by i had not are but from or have an they".split()
+
+
+def toy_tasks(tmp_path):
+    """A ranked-choice task whose items differ in their choices (so a model's picks differ between items), with
+    gold answers not spread evenly, and a bits-per-byte task."""
+    n = len(WORDS)
+    choice = write_jsonl(tmp_path / "toy_choice.jsonl", [
+        {"context": f"Question {k}: which word comes next?\nAnswer:", "gold": (k * k) % 3,
+         "choices": [f" {WORDS[k % n]}", f" {WORDS[(3 * k + 1) % n]} {WORDS[k % 7]}", f" {WORDS[(5 * k + 2) % n]}"]}
+        for k in range(15)])
+    bpb = write_jsonl(tmp_path / "toy_bpb.jsonl", [{"context": f"Line {k} of the text", "continuation": " goes on"}
+                                                   for k in range(5)])
+    return f"{choice},{bpb}"
+
+
+def task_records(run_dir):
+    return [{k: v for k, v in r.items() if k != "time"} for r in map(json.loads, open(run_dir / "metrics.jsonl"))
+            if "tasks_centred" in r]
+
+
+def offline_scores(checkpoint, tasks: str, tokenizer):
+    from dataset.tasks import load_tasks
+    from model import load_model
+    model, _ = load_model(checkpoint)
+    return {t.name: score_items(model, t.name, t.items, tokenizer.encode, tokenizer.eot_id) for t in load_tasks(tasks)}
+
+
+def test_eval_tasks_log_what_scoring_the_checkpoint_gives(corpus, tmp_path, tokenizer):
+    """In-loop downstream scores at step 4 equal eval_model's scoring of the step-4 checkpoint; a resumed run
+    logs what an uninterrupted one does."""
+    from test_train import flags, stop_at
+
+    import train_pretrain
+    tasks = toy_tasks(tmp_path)
+    assert train_pretrain.main(flags(corpus, tmp_path, "straight", eval_tasks=tasks, sample_prompts="none")) == 0
+    records = task_records(tmp_path / "straight")
+    assert [r["step"] for r in records] == [4, 8]
+    expected = offline_scores(tmp_path / "straight" / "checkpoints" / "step_00000004", tasks, tokenizer)
+    assert records[0]["task/toy_choice/acc"] == round(expected["toy_choice"].acc, 5)
+    assert records[0]["task/toy_choice/centred"] == round(expected["toy_choice"].centred, 5)
+    assert records[0]["task/toy_bpb/bpb"] == pytest.approx(expected["toy_bpb"].bpb, abs=1e-5)
+    config = json.loads((tmp_path / "straight" / "train_config.json").read_text())["resolved"]
+    assert config["eval_tasks"] == {"toy_choice": 15, "toy_bpb": 5} and "continuations" in config["eval_task_cost"]
+
+    with pytest.MonkeyPatch.context() as monkeypatch:  # stopped by SIGTERM after step 4, then resumed
+        stop_at(monkeypatch, 4)
+        assert train_pretrain.main(flags(corpus, tmp_path, "resumed", eval_tasks=tasks, sample_prompts="none")) == 0
+    assert [r["step"] for r in task_records(tmp_path / "resumed")] == [4]
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", eval_tasks=tasks, sample_prompts="none",
+                                     resume=True)) == 0
+    assert task_records(tmp_path / "resumed") == records
+
+
+def test_eval_task_items_cuts_each_task_and_bad_names_stop_before_tokenizing(corpus, tmp_path, capsys):
+    from test_train import flags
+
+    import train_pretrain
+    tasks = toy_tasks(tmp_path)
+    assert train_pretrain.main(flags(corpus, tmp_path, "few", eval_tasks=tasks, eval_task_items=4, max_steps=4,
+                                     sample_prompts="none")) == 0
+    config = json.loads((tmp_path / "few" / "train_config.json").read_text())["resolved"]
+    assert config["eval_tasks"] == {"toy_choice": 4, "toy_bpb": 4}
+    capsys.readouterr()
+    assert train_pretrain.main(flags(corpus, tmp_path, "bad", eval_tasks="arc_eazy")) == 2
+    err = capsys.readouterr().err
+    assert "error: --tasks arc_eazy: no such task" in err and "prepared" not in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # two ranks (torchrun)
+def test_eval_tasks_under_ddp_score_every_item_once(corpus, tmp_path, tokenizer):
+    """Each rank scores its share and the sums are added: the step-4 record equals scoring the checkpoint's
+    weights on all items in one process."""
+    from test_distributed import args, torchrun
+    tasks = toy_tasks(tmp_path)
+    torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, max_steps=4, eval_interval=4, save_interval=4,
+                     eval_tasks=tasks, sample_prompts="none"))
+    [record] = task_records(tmp_path / "ddp")
+    expected = offline_scores(tmp_path / "ddp", tasks, tokenizer)
+    assert record["task/toy_choice/acc"] == round(expected["toy_choice"].acc, 5)
+    assert record["task/toy_choice/acc_norm"] == round(expected["toy_choice"].acc_norm, 5)
+    assert record["task/toy_bpb/bpb"] == pytest.approx(expected["toy_bpb"].bpb, abs=1e-5)
+
+
+def test_plot_metrics_draws_the_task_scores(tmp_path):
+    import importlib.util
+
+    from conftest import ROOT
+    spec = importlib.util.spec_from_file_location("plot_metrics", ROOT / "scripts" / "plot_metrics.py")
+    plot_metrics = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_metrics)
+    records = [{"step": 2, "loss": 5.0, "lr": 1e-3}, {"step": 2, "val_loss": 5.1},
+               {"step": 2, "task/arc_easy/acc": 0.3, "task/arc_easy/centred": 0.07, "tasks_centred": 0.07}]
+    write_jsonl(tmp_path / "metrics.jsonl", records)
+    series, bad = plot_metrics.read_metrics(tmp_path / "metrics.jsonl")
+    assert bad == 0 and series["task/arc_easy/centred"] == {2: 0.07} and "task/arc_easy/acc" not in series
+    assert plot_metrics.main([str(tmp_path)]) == 0 and (tmp_path / "loss.png").stat().st_size > 0

@@ -143,6 +143,11 @@ class EvalOptions:
     sample_tokens: int = option(32, "tokens generated per sample prompt", at_least=1)
     layer_stats: bool = option(True, "per-layer attention entropy and activation RMS of a fixed validation "
                                      "batch at every evaluation, into metrics.jsonl (and histograms)")
+    eval_tasks: str | None = option(None, "benchmarks scored at every evaluation, comma-separated: names as "
+                                          "eval_model.py --tasks takes them (arc_easy, hellaswag, ..., core) or task "
+                                          "files; logged as task/<name>/acc, acc_norm, centred (or bpb)",
+                                    metavar="NAMES")
+    eval_task_items: int = option(200, "--eval_tasks: items scored per task (its first N)", at_least=1)
 
     @property
     def early_stopping(self) -> bool:

@@ -18,6 +18,7 @@ from common.device import DTYPES, choose_dtype, dtype_name
 from common.errors import CheckpointError, ConfigError, TokenizerError
 from common.files import shipped_path
 from dataset.config import TEXT, training_data
+from dataset.tasks import load_tasks
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
 from model.checkpoint import load_model
@@ -91,6 +92,7 @@ class Session:
         ev = config.eval
         self.samples = read_prompt_file(shipped_path(ev.sample_prompts)) if ev.sample_prompts.lower() != "none" else []
         self.probes = read_probe_file(shipped_path(ev.probes)) if ev.probes and ev.probes.lower() != "none" else []
+        self.eval_tasks = load_tasks(ev.eval_tasks, ev.eval_task_items) if ev.eval_tasks else []
         self.tokenizer = Tokenizer(config.data.tokenizer or self._default_tokenizer())
         self._check_init_tokenizer()
         self.model_config = self._model_config(init_config)

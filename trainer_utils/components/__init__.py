@@ -1,10 +1,11 @@
 """The in-loop extras, one module each (components/base.py says what a component is). They run in this order
 after each step: the log, the precision fallback's check (it reads the counters the log synced), then at
-evaluations the validation loss, layer statistics, samples and probes, and early stopping (which reads the
-validation loss); the memory check wraps the one step it measures."""
+evaluations the validation loss, the downstream tasks, layer statistics, samples and probes, and early stopping
+(which reads the validation loss); the memory check wraps the one step it measures."""
 from __future__ import annotations
 
 from .base import Component, StepOutcome, Stop, every
+from .downstream import DownstreamEval
 from .early_stop import EarlyStopping
 from .evaluation import Evaluation
 from .fallback import NonfiniteGuard
@@ -13,7 +14,7 @@ from .log import TrainLog
 from .memory import MemoryCheck
 from .samples import SamplesAndProbes
 
-COMPONENTS: tuple[type[Component], ...] = (TrainLog, NonfiniteGuard, Evaluation, LayerStats, SamplesAndProbes,
-                                           EarlyStopping, MemoryCheck)
+COMPONENTS: tuple[type[Component], ...] = (TrainLog, NonfiniteGuard, Evaluation, DownstreamEval, LayerStats,
+                                           SamplesAndProbes, EarlyStopping, MemoryCheck)
 
 __all__ = ["COMPONENTS", "Component", "StepOutcome", "Stop", "every"]

@@ -1,0 +1,60 @@
+"""Downstream evaluation (--eval_tasks): at every evaluation, the benchmark tasks scored as eval_model.py --tasks
+scores them (model/scoring.py: ranked choices by log-likelihood, or bits per byte), on the first
+--eval_task_items items of each, into metrics.jsonl (task/<name>/acc, acc_norm, centred or bpb, and
+tasks_centred, their chance-centred average), TensorBoard and wandb. Every rank scores its share of the items and
+the sums are added up, so several ranks log what one process would (and no rank runs a forward alone).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from model.scoring import TaskTotals, task_totals
+
+from .base import Component, every
+
+if TYPE_CHECKING:
+    from ..loop import Trainer
+
+
+class DownstreamEval(Component):
+    pauses_clock = True
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.tasks = trainer.session.eval_tasks
+        self.interval = trainer.config.eval.eval_interval
+        self.batch_size = trainer.config.optim.batch_size
+
+    def describe(self) -> dict[str, Any]:
+        if not self.tasks:
+            return {}
+        pairs = sum(len(item.pairs) for task in self.tasks for item in task.items)
+        return {"eval_tasks": {task.name: len(task.items) for task in self.tasks},
+                "eval_task_cost": f"{pairs} continuations scored per evaluation, over all ranks"}
+
+    def due(self, step: int, last: int) -> bool:
+        return bool(self.tasks) and every(self.interval, step, last)
+
+    @torch.no_grad()
+    def run(self, trainer: Trainer) -> None:
+        rank, world, tok = trainer.backend.rank, trainer.backend.world_size, trainer.session.tokenizer
+        totals = [task_totals(trainer.model, task.items[rank::world], tok.encode, tok.eot_id, self.batch_size,
+                              trainer.precision.autocast, kind=task.kind) for task in self.tasks]
+        trainer.model.train()  # scoring put it in eval mode
+        sums = torch.tensor([v for t in totals for v in t.as_list()], dtype=torch.float64, device=trainer.device)
+        sums = trainer.backend.all_reduce_sum(sums).view(len(self.tasks), -1).tolist()
+        scores = [TaskTotals.from_list(task.kind, row).score(task.name) for task, row in zip(self.tasks, sums)]
+        step = trainer.state.step
+        record: dict[str, Any] = {"step": step}
+        for s in scores:
+            values = {"acc": s.acc, "acc_norm": s.acc_norm, "centred": s.centred, "bpb": s.bpb}
+            record.update({f"task/{s.name}/{k}": round(v, 5) for k, v in values.items() if v is not None})
+        centred = [s.centred for s in scores if s.centred is not None]
+        if centred:
+            record["tasks_centred"] = round(sum(centred) / len(centred), 5)
+        trainer.logger.log(record)
+        shown = ", ".join(f"{s.name} {s.acc:.3f}" if s.acc is not None else f"{s.name} {s.bpb:.3f} bpb"
+                          for s in scores)
+        trainer.logger.message(f"step {step} tasks: {shown}" + (f"; centred average {record['tasks_centred']:.4f}"
+                                                               if centred else ""))
