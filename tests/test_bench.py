@@ -185,3 +185,21 @@ def test_gpu_check_kills_a_check_that_ignores_sigterm(tmp_path):
     # its limit is what the budget leaves: 13 - 10 s of kill grace - the script's own start-up second(s)
     assert re.fullmatch(r"FAIL \(timed out after [123]s\)", results["environment"]), results
     assert proc.returncode == 1
+
+
+def test_bench_tasks_times_ours_and_lm_eval_on_the_same_items(tmp_path):
+    import sys
+
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
+    from model import PocketLM
+    from model.loading import save_model
+
+    from conftest import tiny_config
+    save_model(PocketLM(tiny_config(vocab_size=6400)), tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    out = tmp_path / "tasks.json"
+    run = subprocess.run([sys.executable, "bench/bench_tasks.py", "--checkpoint", str(tmp_path / "m"), "--items", "12",
+                          "--repeats", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["items"] == 12 and result["ours_s"] > 0 and result["lm_eval_s"] > 0 and "cores" in result["machine"]
+    assert result["ours_acc"] == result["lm_eval_acc"] is not None  # the same scores, or the timing means nothing
