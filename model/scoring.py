@@ -74,84 +74,14 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
         model.eval()
         with autocast():
             logits = model(x.to(device))
+        logp = F.log_softmax(logits.float(), dim=-1)
         for r, (i, (ids, n)) in enumerate(zip(chunk, rows)):
             end = len(ids) - 1  # predictions of positions end-n .. end-1 are the continuation's tokens
             targets = torch.tensor(ids[-n:], device=device)
-            row = F.log_softmax(logits[r, end - n:end].float(), dim=-1)  # the continuation's rows only
+            row = logp[r, end - n:end]
             picked = row.gather(1, targets[:, None])[:, 0]
             scores[i] = ContinuationScore(float(picked.sum()), n, bool((row.argmax(-1) == targets).all()))
     return scores  # type: ignore[return-value]
-
-
-@torch.no_grad()
-def score_groups(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[list[int]]]], batch_size: int = 16,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 pad_id: int = 0) -> list[list[ContinuationScore]]:
-    """Each group's continuations scored after its shared context, the context run once: a batch of contexts is
-    prefilled left-padded into a KV cache, each context's keys and values are copied to its continuations' rows,
-    and the continuations run behind them right-padded (what the harness computes per pair, with the context's
-    tokens computed once per item instead of once per choice). A group that would need its context cut to fit
-    the model's positions is scored pair by pair (score_pairs), so the cut is the same as there."""
-    from .generate import left_pad
-    from .model import KVCache
-
-    cfg, device = model.config, next(model.parameters()).device
-    max_len = cfg.max_position_embeddings
-    out: list[list[ContinuationScore] | None] = [None] * len(groups)
-    fits = []
-    for g, (context, continuations) in enumerate(groups):
-        if not continuations or not all(continuations):
-            raise ValueError(f"group {g}: every continuation needs a token")
-        if len(context) + max(map(len, continuations)) - 1 <= max_len:
-            fits.append(g)
-        else:
-            pairs = [(context, c) for c in continuations]
-            out[g] = score_pairs(model, pairs, batch_size, autocast, pad_id)
-    fits.sort(key=lambda g: -(len(groups[g][0]) + max(map(len, groups[g][1]))))
-    model.eval()
-    start = 0
-    while start < len(fits):
-        chunk, rows = [], 0  # as many groups as keep the continuations within batch_size (at least one group)
-        while start < len(fits) and (not chunk or rows + len(groups[fits[start]][1]) <= batch_size):
-            chunk.append(fits[start])
-            rows += len(groups[fits[start]][1])
-            start += 1
-        contexts = [groups[g][0] for g in chunk]
-        owner = [k for k, g in enumerate(chunk) for _ in groups[g][1]]
-        continuations = [c for g in chunk for c in groups[g][1]]
-        ids, context_mask = left_pad(contexts, pad_id, device)
-        P, T = ids.shape[1], max(map(len, continuations)) - 1  # the last token of a continuation is not input
-        with autocast():
-            dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
-                next(model.parameters()).dtype
-            cache = KVCache(cfg, len(chunk), P + T, device=device, dtype=dtype)
-            positions = (context_mask.cumsum(-1) - 1).clamp(min=0)
-            first = model(ids, position_ids=positions, attention_mask=context_mask, kv_cache=cache,
-                          last_only=True)[:, -1]  # (groups, vocab): each continuation's first token
-            rest = None
-            if T > 0:
-                index = torch.tensor(owner, device=device)
-                cache.k, cache.v = cache.k[:, index], cache.v[:, index]
-                x = torch.full((len(continuations), T), pad_id, dtype=torch.long)
-                mask = torch.zeros((len(continuations), P + T), dtype=torch.long)
-                mask[:, :P] = context_mask.cpu()[index.cpu()]
-                for r, c in enumerate(continuations):
-                    x[r, :len(c) - 1] = torch.tensor(c[:-1])
-                    mask[r, P:P + len(c) - 1] = 1
-                lengths = context_mask.sum(-1)[index]
-                positions = lengths[:, None] + torch.arange(T, device=device)[None]
-                rest = model(x.to(device), position_ids=positions, attention_mask=mask.to(device), kv_cache=cache)
-        for r, (k, c) in enumerate(zip(owner, continuations)):
-            logits = first[k][None]
-            if rest is not None and len(c) > 1:
-                logits = torch.cat([logits, rest[r, :len(c) - 1]])
-            logp = F.log_softmax(logits.float(), dim=-1)
-            targets = torch.tensor(c, device=device)
-            picked = logp.gather(1, targets[:, None])[:, 0]
-            score = ContinuationScore(float(picked.sum()), len(c), bool((logp.argmax(-1) == targets).all()))
-            g = chunk[k]
-            out[g] = (out[g] or []) + [score]
-    return out  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -241,19 +171,12 @@ def task_totals(model: torch.nn.Module, items: Sequence[Item], encode: Encode, e
     """Score items (every continuation of every item in one batched pass) into their sums. `kind` is the
     task's (needed when `items` may be empty, e.g. a rank's share); by default, what the items are."""
     kind = kind or ("bpb" if all(len(item.pairs) == 1 for item in items) else "choice")
-    groups: list[tuple[list[int], list[list[int]]]] = []  # an item's choices that share their context, together
-    owner = []
+    pairs, owner = [], []
     for k, item in enumerate(items):
         for context, continuation in item.pairs:
-            head, tail = encode_pair(encode, context, continuation, eot_id)
-            if groups and owner[-1] == k and groups[-1][0] == head:
-                groups[-1][1].append(tail)
-            else:
-                groups.append((head, [tail]))
-                owner.append(k)
-    grouped = score_groups(model, groups, batch_size, autocast, pad_id=eot_id)
-    scores = [score for group in grouped for score in group]
-    owner = [k for k, group in zip(owner, grouped) for _ in group]
+            pairs.append(encode_pair(encode, context, continuation, eot_id))
+            owner.append(k)
+    scores = score_pairs(model, pairs, batch_size, autocast, pad_id=eot_id)
     if kind == "bpb":
         return TaskTotals(kind, len(items), nats=-sum(s.logprob for s in scores),
                           bytes=sum(len(item.pairs[0][1].encode("utf-8")) for item in items))

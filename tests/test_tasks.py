@@ -429,24 +429,3 @@ def test_plot_metrics_draws_the_task_scores(tmp_path):
     series, bad = plot_metrics.read_metrics(tmp_path / "metrics.jsonl")
     assert bad == 0 and series["task/arc_easy/centred"] == {2: 0.07} and "task/arc_easy/acc" not in series
     assert plot_metrics.main([str(tmp_path)]) == 0 and (tmp_path / "loss.png").stat().st_size > 0
-
-
-def test_shared_context_scores_equal_one_forward_per_continuation(model, tokenizer):
-    """score_groups runs each context once on the KV cache: the same scores as the unbatched forward of each
-    whole pair, for contexts of different lengths, one-token continuations, and a context too long to share."""
-    from model.scoring import score_groups
-    texts = [("Question: What is 2+2?\nAnswer:", [" four", " five apples", " 4"]), ("The sky is", [" blue", " red"]),
-             ("", ["Once", " upon"]), ("床前明月光，", ["疑是地上霜", "举头望明月"]),
-             ("word " * 120, [" end", " stop here"])]  # the last is cut from the left: scored pair by pair
-    groups = []
-    for context, continuations in texts:
-        pairs = [encode_pair(tokenizer.encode, context, c, tokenizer.eot_id) for c in continuations]
-        groups.append((pairs[0][0], [tail for _, tail in pairs]))
-    for batch_size in (1, 3, 16):
-        scores = score_groups(model, groups, batch_size=batch_size, pad_id=tokenizer.eot_id)
-        for (context, continuations), group_scores in zip(groups, scores):
-            assert len(group_scores) == len(continuations)
-            for continuation, score in zip(continuations, group_scores):
-                logprob, greedy = independent_logprob(model, context, continuation)
-                assert score.logprob == pytest.approx(logprob, abs=2e-4) and score.tokens == len(continuation)
-                assert score.greedy == greedy
