@@ -74,11 +74,10 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
         model.eval()
         with autocast():
             logits = model(x.to(device))
-        logp = F.log_softmax(logits.float(), dim=-1)
         for r, (i, (ids, n)) in enumerate(zip(chunk, rows)):
             end = len(ids) - 1  # predictions of positions end-n .. end-1 are the continuation's tokens
             targets = torch.tensor(ids[-n:], device=device)
-            row = logp[r, end - n:end]
+            row = F.log_softmax(logits[r, end - n:end].float(), dim=-1)  # the continuation's rows only
             picked = row.gather(1, targets[:, None])[:, 0]
             scores[i] = ContinuationScore(float(picked.sum()), n, bool((row.argmax(-1) == targets).all()))
     return scores  # type: ignore[return-value]
