@@ -25,7 +25,7 @@ from common.config import option, parse_config
 from common.device import choose_dtype, dtype_name
 from common.errors import ConfigError, PocketLMError
 from dataset.jsonl import SkipReport, check_path, read_records
-from dataset.tasks import Task, packaged_task, read_task_file, task_names
+from dataset.tasks import Task, load_tasks, read_task_file
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import load_model
 from model.generate import SamplingConfig
@@ -176,14 +176,12 @@ class Evaluator:
                             self.tok.pad_id, on_result=progress)
         return SweepReport(spec, self.sampling, seed, options.sweep_samples, texts, options.max_repeat, results)
 
-    def tasks(self, tasks: list[Task], limit: int | None, batch_size: int) -> list[TaskScore]:
+    def tasks(self, tasks: list[Task], batch_size: int) -> list[TaskScore]:
         """Score benchmark tasks (dataset/tasks.py) by log-likelihood, as lm-evaluation-harness does: raw text, no
         chat template, whatever the checkpoint's prompt format; print one row per task and the chance-centred
         average of the ranked-choice ones."""
-        scores = []
-        for task in tasks:
-            items = task.items[:limit] if limit else task.items
-            scores.append(score_items(self.model, task.name, items, self.tok.encode, self.tok.eot_id, batch_size))
+        scores = [score_items(self.model, task.name, task.items, self.tok.encode, self.tok.eot_id, batch_size)
+                  for task in tasks]
         print(task_table(scores), flush=True)
         return scores
 
@@ -319,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         probes = read_prompt_file(task.probes) if task.probes else None
         if task.ppl:
             check_path(task.ppl)
-        tasks = [*(packaged_task(name) for name in task_names(task.tasks or "")),
-                 *(read_task_file(path) for path in task.task_file or [])]
+        tasks = [*(load_tasks(task.tasks, task.limit) if task.tasks else []),
+                 *(read_task_file(path).head(task.limit) for path in task.task_file or [])]
         spec, sweep_texts = sweep_inputs(config)
         ev = Evaluator(config, device)
         if ev.budget < 1 and not (task.ppl or tasks):
@@ -329,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         if task.ppl:
             ev.perplexity(task.ppl)
         elif tasks:
-            scores = ev.tasks(tasks, task.limit, task.task_batch_size)
+            scores = ev.tasks(tasks, task.task_batch_size)
             if config.sweep.out:
                 write_scores(config.sweep.out, scores, checkpoint=task.checkpoint, limit=task.limit)
                 note(f"wrote {config.sweep.out}")

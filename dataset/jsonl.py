@@ -6,6 +6,7 @@ user asked for `--skip_bad_lines`.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -60,17 +61,21 @@ def check_path(path: str | Path) -> Path:
 
 def iter_raw_lines(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
                    start_offset: int = 0) -> Iterator[tuple[int, bytes]]:
-    """Yield (line number, raw bytes without newline), bounded in memory by max_line_bytes.
+    """Yield (line number, raw bytes without newline), bounded in memory by max_line_bytes; a .gz file is read
+    decompressed.
 
     Blank lines are skipped silently (common at file ends). A longer line raises DataError without being
     read whole.
     """
     path = check_path(path)
-    with open(path, "rb") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         f.seek(start_offset)
         lineno = 0
         while True:
-            raw = f.readline(max_line_bytes + 1)
+            try:
+                raw = f.readline(max_line_bytes + 1)
+            except (gzip.BadGzipFile, EOFError) as e:
+                raise DataError(f"{path}: not a readable gzip file ({e})") from None
             if not raw:
                 return
             lineno += 1
@@ -85,8 +90,8 @@ def iter_raw_lines(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTE
 
 
 def parse_line(raw: bytes, kind: str) -> dict[str, Any]:
-    """Decode and validate one line as a record of `kind` ("text", "conversations", "dpo" or "any"); raise
-    ValueError."""
+    """Decode and validate one line as a record of `kind` ("text", "conversations", "dpo", "any" of the first
+    two, or "object": any JSON object); raise ValueError."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -110,7 +115,7 @@ def parse_line(raw: bytes, kind: str) -> dict[str, Any]:
             validate_conversations(record)
         else:
             raise ValueError('expected a "text" or "conversations" field')
-    else:
+    elif kind != "object":
         raise AssertionError(kind)
     return record
 

@@ -16,16 +16,15 @@ with the native_id of the real doc) are left out.
 """
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from common.errors import DataError
 
-from .jsonl import check_path, iter_raw_lines
+from .jsonl import check_path, iter_raw_lines, parse_line
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,10 @@ class Task:
     items: tuple[TaskItem, ...]
     source: str
 
+    def head(self, limit: int | None) -> Task:
+        """The task cut to its first `limit` items (all when None)."""
+        return self if limit is None else Task(self.name, self.kind, self.items[:limit], self.source)
+
 
 def _string(record: dict[str, Any], key: str, where: str) -> str:
     value = record.get(key)
@@ -77,35 +80,19 @@ def _unconditional(doc_id: Any) -> bool:
     return isinstance(doc_id, int) and not isinstance(doc_id, bool) and doc_id >= UNCONDITIONAL_OFFSET
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line) of a plain or gzipped file, blank lines skipped."""
-    if path.suffix != ".gz":
-        yield from iter_raw_lines(path)
-        return
-    try:
-        with gzip.open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield lineno, line.rstrip(b"\r\n")
-    except (OSError, EOFError) as e:
-        raise DataError(f"{path}: not a readable gzip file ({e})") from None
-
-
 def read_task_file(path: str | Path, name: str | None = None) -> Task:
     """The task in a JSONL file (either line format, module docstring); DataError naming the file and line of
     the first problem: a line that is not a JSON object, a missing or mistyped field, an item's request lines that
-    disagree on their context or gold label or skip a choice, items of both kinds in one file, or no items."""
+    disagree on their gold label or skip a choice, items of both kinds in one file, or no items."""
     path = check_path(path)
     items: list[TaskItem] = []
     requests: dict[str, dict[str, Any]] = {}  # doc_id -> {"line", "gold", "choices": {idx: (context, text)}}
-    for lineno, raw in _lines(path):
+    for lineno, raw in iter_raw_lines(path):
         where = f"{path}:{lineno}"
         try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{where}: invalid JSON ({e})") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            record = parse_line(raw, "object")
+        except ValueError as e:
+            raise DataError(f"{where}: {e}") from None
         if "request" in record:
             request = record["request"]
             if not isinstance(request, dict):
@@ -204,7 +191,7 @@ def load_tasks(spec: str, limit: int | None = None) -> list[Task]:
     for entry in task_names(spec):
         is_file = Path(entry).exists() or entry.endswith((".jsonl", ".gz"))
         task = read_task_file(entry) if is_file else packaged_task(entry)
-        tasks.append(Task(task.name, task.kind, task.items[:limit] if limit else task.items, task.source))
+        tasks.append(task.head(limit))
     return tasks
 
 
@@ -226,8 +213,9 @@ metric_list:
 
 def write_lm_eval_task(items: tuple[TaskItem, ...] | list[TaskItem], out_dir: str | Path, name: str) -> Path:
     """Ranked-choice items as a local lm-evaluation-harness task, to score the same items with the reference
-    (`lm_eval --model hf --tasks NAME --include_path OUT_DIR`, offline): OUT_DIR/NAME.yaml over OUT_DIR/NAME.jsonl.
-    The harness joins context and choice with a space, so each choice must start with one (it is left out)."""
+    (lm_eval's `hf` model, task NAME, OUT_DIR as its include path, offline): OUT_DIR/NAME.yaml over
+    OUT_DIR/NAME.jsonl. The harness joins context and choice with a space, so each choice must start with one (it
+    is left out)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not all(len(item.pairs) > 1 and len({ctx for ctx, _ in item.pairs}) == 1 for item in items):

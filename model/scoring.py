@@ -54,6 +54,8 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
     max_len = model.config.max_position_embeddings
     device = next(model.parameters()).device
     order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+    was_training = model.training
+    model.eval()
     scores: list[ContinuationScore | None] = [None] * len(pairs)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
@@ -71,7 +73,6 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
         x = torch.full((len(rows), width), pad_id, dtype=torch.long)
         for r, (ids, _) in enumerate(rows):
             x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
-        model.eval()
         with autocast():
             logits = model(x.to(device))
         for r, (i, (ids, n)) in enumerate(zip(chunk, rows)):
@@ -80,6 +81,7 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
             row = F.log_softmax(logits[r, end - n:end].float(), dim=-1)  # the continuation's rows only
             picked = row.gather(1, targets[:, None])[:, 0]
             scores[i] = ContinuationScore(float(picked.sum()), n, bool((row.argmax(-1) == targets).all()))
+    model.train(was_training)
     return scores  # type: ignore[return-value]
 
 
@@ -100,12 +102,6 @@ def rank_choices(scores: Sequence[ContinuationScore], choices: Sequence[str], go
     per_char = [lp / max(len(c.removeprefix(" ")), 1) for lp, c in zip(logps, choices)]
     return ChoiceResult(max(range(len(logps)), key=logps.__getitem__),
                         max(range(len(per_char)), key=per_char.__getitem__), gold)
-
-
-def bits_per_byte(scores: Sequence[ContinuationScore], continuations: Sequence[str]) -> float:
-    """Bits per UTF-8 byte of the continuations, over all of them together."""
-    nats = -sum(s.logprob for s in scores)
-    return nats / math.log(2) / sum(len(c.encode("utf-8")) for c in continuations)
 
 
 class Item(Protocol):
@@ -194,6 +190,12 @@ def score_items(model: torch.nn.Module, name: str, items: Sequence[Item], encode
     return task_totals(model, items, encode, eot_id, batch_size, autocast).score(name)
 
 
+def centred_average(scores: Sequence[TaskScore]) -> float | None:
+    """The chance-centred accuracy averaged over the ranked-choice tasks (None without any)."""
+    centred = [s.centred for s in scores if s.centred is not None]
+    return sum(centred) / len(centred) if centred else None
+
+
 def task_table(scores: Sequence[TaskScore]) -> str:
     """The scores as a Markdown table, with the chance-centred average of the ranked-choice tasks."""
     def cell(value: float | None) -> str:
@@ -201,17 +203,17 @@ def task_table(scores: Sequence[TaskScore]) -> str:
     rows = ["| task | items | acc | acc_norm | chance | centred | bits/byte |", "|---|--:|--:|--:|--:|--:|--:|"]
     rows += [f"| {s.name} | {s.items} | {cell(s.acc)} | {cell(s.acc_norm)} | {cell(s.chance)} | {cell(s.centred)} | "
              f"{cell(s.bpb)} |" for s in scores]
-    centred = [s.centred for s in scores if s.centred is not None]
-    if centred:
-        rows.append(f"\ncentred accuracy, averaged over {len(centred)} ranked-choice tasks: "
-                    f"{sum(centred) / len(centred):.4f} (0: guessing, 1: all right)")
+    average = centred_average(scores)
+    if average is not None:
+        n = sum(s.centred is not None for s in scores)
+        rows.append(f"\ncentred accuracy, averaged over {n} ranked-choice tasks: {average:.4f} (0: guessing, "
+                    "1: all right)")
     return "\n".join(rows)
 
 
 def write_scores(path: str | Path, scores: Sequence[TaskScore], **extra: object) -> None:
     """The scores as strict JSON: `extra` (e.g. the checkpoint), each task's, and the centred average."""
-    centred = [s.centred for s in scores if s.centred is not None]
     doc = {**extra, "tasks": [{**dataclasses.asdict(s), "centred": s.centred} for s in scores],
-           "centred_average": sum(centred) / len(centred) if centred else None}
+           "centred_average": centred_average(scores)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")

@@ -11,7 +11,7 @@ import torch
 from common.errors import DataError
 from dataset.tasks import read_task_file
 from model import PocketLM
-from model.scoring import bits_per_byte, encode_pair, rank_choices, score_items, score_pairs
+from model.scoring import TaskTotals, encode_pair, rank_choices, score_items, score_pairs
 
 from conftest import tiny_config, write_jsonl
 
@@ -184,7 +184,7 @@ def test_ranking_picks_the_most_likely_and_the_most_likely_per_character():
     # acc_norm divides by the length of the choice it then prefixes with its target delimiter, " ")
     assert rank_choices([S(-1.5, 1, False), S(-2.0, 1, False)], [" a", "bc"], gold=0).pick_norm == 1
     assert rank_choices([S(-1.5, 1, False), S(-2.0, 1, False)], ["  a", "bc"], gold=0).pick_norm == 0
-    assert bits_per_byte([S(-math.log(2) * 8, 3, True)], ["abcd"]) == pytest.approx(2.0)
+    assert TaskTotals("bpb", 1, nats=math.log(2) * 8, bytes=4).score("t").bpb == pytest.approx(2.0)
 
 
 def test_eval_model_scores_task_files(tmp_path, capsys):

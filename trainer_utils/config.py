@@ -20,7 +20,7 @@ from common.config import option, parse_config
 from common.errors import ConfigError
 from common.files import require_package
 from dataset.config import DataConfig
-from model.config import PRESETS, model_flags, switches
+from model.config import get_preset, model_flags, switches
 from model.inference import DeviceConfig
 
 from .runtime import compile_toolchain_problem
@@ -211,8 +211,8 @@ class TrainConfig:
         if self.eval.early_stopping and self.data.val_fraction == 0:
             raise ConfigError("--early_stop_patience and --overfit_gap watch the validation loss; they need "
                               "--val_fraction > 0")
-        if self.model.preset is not None and self.model.preset not in PRESETS:
-            raise ConfigError(f"unknown preset {self.model.preset!r}; expected one of {sorted(PRESETS)}")
+        if self.model.preset is not None:
+            get_preset(self.model.preset)  # an unknown name is refused here, before the device is looked at
         if self.model.init_from is not None:
             given = [f"--{k}" for k in NEW_MODEL_FLAGS if getattr(self.model, k) is not None]
             if given:

@@ -30,7 +30,7 @@ from model.probes import read_probe_file, read_prompt_file
 
 from .backend import Backend
 from .checkpoint import latest_checkpoint
-from .config import ModelOptions, TrainConfig
+from .config import NEW_MODEL_FLAGS, ModelOptions, TrainConfig
 from .distributed import detect_env, device_for, make_backend
 from .objectives import Objective
 from .runtime import Precision, seed_everything, wider_dtype
@@ -40,12 +40,11 @@ from .stages import Stage, get_stage
 def check_resumed_model(options: ModelOptions, saved: ModelConfig, run_dir: Path) -> None:
     """ConfigError when model flags given with --resume describe another model than the run being resumed
     (they cannot take effect). Flags that agree with it are fine: Slurm requeues repeat the whole command."""
-    new_model = ("preset", *switches("shape", "architecture", "init"))
-    given = [k for k in (*new_model, *switches("training")) if getattr(options, k) is not None]
+    given = [k for k in (*NEW_MODEL_FLAGS, *switches("training")) if getattr(options, k) is not None]
     if not given:
         return
     differ = {}
-    if any(getattr(options, k) is not None for k in new_model):
+    if any(getattr(options, k) is not None for k in NEW_MODEL_FLAGS):
         described = config_from_flags(options, saved.vocab_size)
         differ = {k: (v, getattr(saved, k)) for k, v in architecture(described).items() if getattr(saved, k) != v}
     for name in switches("training"):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from model.scoring import TaskTotals, task_totals
+from model.scoring import TaskTotals, centred_average, task_totals
 
 from .base import Component, every
 
@@ -41,7 +41,6 @@ class DownstreamEval(Component):
         rank, world, tok = trainer.backend.rank, trainer.backend.world_size, trainer.session.tokenizer
         totals = [task_totals(trainer.model, task.items[rank::world], tok.encode, tok.eot_id, self.batch_size,
                               trainer.precision.autocast, kind=task.kind) for task in self.tasks]
-        trainer.model.train()  # scoring put it in eval mode
         sums = torch.tensor([v for t in totals for v in t.as_list()], dtype=torch.float64, device=trainer.device)
         sums = trainer.backend.all_reduce_sum(sums).view(len(self.tasks), -1).tolist()
         scores = [TaskTotals.from_list(task.kind, row).score(task.name) for task, row in zip(self.tasks, sums)]
@@ -50,11 +49,11 @@ class DownstreamEval(Component):
         for s in scores:
             values = {"acc": s.acc, "acc_norm": s.acc_norm, "centred": s.centred, "bpb": s.bpb}
             record.update({f"task/{s.name}/{k}": round(v, 5) for k, v in values.items() if v is not None})
-        centred = [s.centred for s in scores if s.centred is not None]
-        if centred:
-            record["tasks_centred"] = round(sum(centred) / len(centred), 5)
+        average = centred_average(scores)
+        if average is not None:
+            record["tasks_centred"] = round(average, 5)
         trainer.logger.log(record)
         shown = ", ".join(f"{s.name} {s.acc:.3f}" if s.acc is not None else f"{s.name} {s.bpb:.3f} bpb"
                           for s in scores)
-        trainer.logger.message(f"step {step} tasks: {shown}" + (f"; centred average {record['tasks_centred']:.4f}"
-                                                               if centred else ""))
+        trainer.logger.message(f"step {step} tasks: {shown}" + (f"; centred average {average:.4f}"
+                                                               if average is not None else ""))

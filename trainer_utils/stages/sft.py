@@ -36,7 +36,4 @@ class LoRA(SFT):
     # adapters start at zero and have few parameters: a larger step than full fine-tuning
     defaults: ClassVar[dict[str, Any]] = dict(data_path=SFT_DEMO, batch_size=16, learning_rate=1e-4, lora_rank=16)
     features = frozenset({"conversations", "adapters"})
-    needs_init = True
-
-    def check_session(self, session: Session) -> None:
-        pass
+    needs_init = True  # so SFT's note on a random start never applies
