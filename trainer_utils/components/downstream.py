@@ -1,7 +1,7 @@
 """Downstream evaluation (--eval_tasks): at every evaluation, the benchmark tasks scored as eval_model.py --tasks
-scores them (model/scoring.py: ranked choices by log-likelihood, or bits per byte), on the first
---eval_task_items items of each, into metrics.jsonl (task/<name>/acc, acc_norm, centred or bpb, and
-tasks_centred, their chance-centred average), TensorBoard and wandb. Every rank scores its share of the items and
+scores them (model/scoring.py: ranked choices by log-likelihood, bits per byte, or answers generated greedily),
+on the first --eval_task_items items of each, into metrics.jsonl (task/<name>/acc, acc_norm, centred, bpb or
+stated, and tasks_centred, the chance-centred average of the ranked-choice tasks), TensorBoard and wandb. Every rank scores its share of the items and
 the sums are added up, so several ranks log what one process would (and no rank runs a forward alone).
 """
 from __future__ import annotations
@@ -29,9 +29,12 @@ class DownstreamEval(Component):
     def describe(self) -> dict[str, Any]:
         if not self.tasks:
             return {}
-        pairs = sum(len(item.pairs) for task in self.tasks for item in task.items)
+        pairs = sum(len(item.pairs) for task in self.tasks if task.kind != "generate" for item in task.items)
+        tokens = sum(item.max_new_tokens for task in self.tasks if task.kind == "generate" for item in task.items)
+        cost = [f"{pairs} continuations scored"] if pairs else []
+        cost += [f"up to {tokens} tokens generated"] if tokens else []
         return {"eval_tasks": {task.name: len(task.items) for task in self.tasks},
-                "eval_task_cost": f"{pairs} continuations scored per evaluation, over all ranks"}
+                "eval_task_cost": f"{' and '.join(cost)} per evaluation, over all ranks"}
 
     def due(self, step: int, last: int) -> bool:
         return bool(self.tasks) and every(self.interval, step, last)
@@ -39,15 +42,15 @@ class DownstreamEval(Component):
     @torch.no_grad()
     def run(self, trainer: Trainer) -> None:
         rank, world, tok = trainer.backend.rank, trainer.backend.world_size, trainer.session.tokenizer
-        totals = [task_totals(trainer.model, task.items[rank::world], tok.encode, tok.eot_id, self.batch_size,
-                              trainer.precision.autocast, kind=task.kind) for task in self.tasks]
+        totals = [task_totals(trainer.model, task.kind, task.items[rank::world], tok, self.batch_size,
+                              trainer.precision.autocast) for task in self.tasks]
         sums = torch.tensor([v for t in totals for v in t.as_list()], dtype=torch.float64, device=trainer.device)
         sums = trainer.backend.all_reduce_sum(sums).view(len(self.tasks), -1).tolist()
         scores = [TaskTotals.from_list(task.kind, row).score(task.name) for task, row in zip(self.tasks, sums)]
         step = trainer.state.step
         record: dict[str, Any] = {"step": step}
         for s in scores:
-            values = {"acc": s.acc, "acc_norm": s.acc_norm, "centred": s.centred, "bpb": s.bpb}
+            values = {"acc": s.acc, "acc_norm": s.acc_norm, "centred": s.centred, "bpb": s.bpb, "stated": s.stated}
             record.update({f"task/{s.name}/{k}": round(v, 5) for k, v in values.items() if v is not None})
         average = centred_average(scores)
         if average is not None:
