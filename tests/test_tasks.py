@@ -84,7 +84,8 @@ def test_generation_items_from_item_lines_and_request_lines(tmp_path):
                         "generation_kwargs": {"max_gen_toks": 32, "do_sample": False}}}
     path = write_jsonl(tmp_path / "olmo.jsonl", [olmo])
     assert read_task_file(path).kind == "bpb"  # the gold continuation, as before
-    assert read_task_file(path, generate=True).items == (GenerationItem("0", "Q: 9*2?\nA:", ("18",), ("Q:", "\n\n"), 32),)
+    expected = GenerationItem("0", "Q: 9*2?\nA:", ("18",), ("Q:", "\n\n"), 32)
+    assert read_task_file(path, generate=True).items == (expected,)
     harness = {**olmo, "request_type": "generate_until"}
     assert read_task_file(write_jsonl(tmp_path / "h.jsonl", [harness])).kind == "generate"
 

@@ -1,8 +1,9 @@
 """Downstream evaluation (--eval_tasks): at every evaluation, the benchmark tasks scored as eval_model.py --tasks
 scores them (model/scoring.py: ranked choices by log-likelihood, bits per byte, or answers generated greedily),
 on the first --eval_task_items items of each, into metrics.jsonl (task/<name>/acc, acc_norm, centred, bpb or
-stated, and tasks_centred, the chance-centred average of the ranked-choice tasks), TensorBoard and wandb. Every rank scores its share of the items and
-the sums are added up, so several ranks log what one process would (and no rank runs a forward alone).
+stated, and tasks_centred, the chance-centred average of the ranked-choice tasks), TensorBoard and wandb. Every
+rank scores its share of the items and the sums are added up, so several ranks log what one process would (and no
+rank runs a forward alone).
 """
 from __future__ import annotations
 
