@@ -470,9 +470,11 @@ class PocketLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                last_only: bool = False, return_router: bool = False
+                last_only: bool = False, return_router: bool = False, logits_at: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, RouterStats | None]:
-        """Logits for every position (or only the last with last_only=True, as prefill needs); with
+        """Logits for every position (or only the last with last_only=True, as prefill needs; or, with a (B, T)
+        bool mask logits_at, only where it is True, as (N, vocab) rows in row-major order: scoring needs a few
+        positions, and the vocabulary projection of the others would cost as much as a layer); with
         return_router=True, (logits, RouterStats) for a mixture-of-experts model ((logits, None) for a dense one):
         the trainer adds the balancing losses from them.
 
@@ -519,7 +521,11 @@ class PocketLM(nn.Module):
         if kv_cache is not None:
             kv_cache.length += T
 
-        x = self.norm(x[:, -1:] if last_only else x)
+        if logits_at is not None:
+            x = x[logits_at]
+        elif last_only:
+            x = x[:, -1:]
+        x = self.norm(x)
         logits = self.lm_head(x)
         if not return_router:
             return logits

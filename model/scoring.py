@@ -5,7 +5,8 @@ Tokenization follows lm-evaluation-harness, so per-item log-likelihoods can be c
 spaces of the context move to the continuation, the pair is encoded whole, and the continuation's tokens are
 those past the context's own encoding (so a merge across the boundary is the continuation's); an empty context
 is the end-of-text token. Pairs are scored in batches of similar length, right-padded (causal attention: a
-real token never sees the padding after it), the context cut from the left to fit the model's positions.
+real token never sees the padding after it), the context cut from the left to fit the model's positions; the
+vocabulary projection and the log-softmax run only at the positions that predict a continuation token.
 
 Generation follows the harness's generate_until: the context encoded alone and cut from the left to leave room
 for the new tokens, greedy decoding until the end-of-text token, a stop string or the item's budget (at most half
@@ -92,16 +93,22 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
             rows.append((ids, len(continuation)))
         width = max(len(ids) - 1 for ids, _ in rows)
         x = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        for r, (ids, _) in enumerate(rows):
-            x[r, :len(ids) - 1] = torch.tensor(ids[:-1])
-        with autocast():
-            logits = model(x.to(device))
-        for r, (i, (ids, n)) in enumerate(zip(chunk, rows)):
+        wanted = torch.zeros((len(rows), width), dtype=torch.bool)  # the rows that predict a continuation token
+        targets = []
+        for r, (ids, n) in enumerate(rows):
             end = len(ids) - 1  # predictions of positions end-n .. end-1 are the continuation's tokens
-            targets = torch.tensor(ids[-n:], device=device)
-            row = F.log_softmax(logits[r, end - n:end].float(), dim=-1)  # the continuation's rows only
-            picked = row.gather(1, targets[:, None])[:, 0]
-            scores[i] = ContinuationScore(float(picked.sum()), n, bool((row.argmax(-1) == targets).all()))
+            x[r, :end] = torch.tensor(ids[:-1])
+            wanted[r, end - n:end] = True
+            targets += ids[-n:]
+        with autocast():
+            logits = model(x.to(device), logits_at=wanted.to(device))  # (sum of n, vocab), row by row
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        targets_t = torch.tensor(targets, device=device)
+        picked = logprobs.gather(1, targets_t[:, None])[:, 0]
+        hits = logprobs.argmax(-1) == targets_t
+        counts = [n for _, n in rows]
+        for i, n, lp, hit in zip(chunk, counts, picked.split(counts), hits.split(counts)):
+            scores[i] = ContinuationScore(float(lp.sum()), n, bool(hit.all()))
     model.train(was_training)
     return scores  # type: ignore[return-value]
 

@@ -25,6 +25,20 @@ def test_changing_a_token_never_changes_earlier_logits(style):
         assert not torch.allclose(out[:, t], base[:, t])  # and the change is seen at t itself
 
 
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_logits_at_a_mask_are_those_positions_of_the_full_logits(style):
+    """logits_at: the vocabulary projection only where the (B, T) mask is True, as rows in row-major order."""
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config(style)).eval()
+    x = torch.randint(0, 256, (3, 16))
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[0, 3:7], mask[1, 15], mask[2, :] = True, True, True
+    with torch.no_grad():
+        full, some = model(x), model(x, logits_at=mask)
+    assert some.shape == (4 + 1 + 16, 256)
+    torch.testing.assert_close(some, full[mask], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_parameter_count_matches_closed_form(name):
     cfg = get_preset(name)
