@@ -162,11 +162,13 @@ def independent_logprob(model, context, continuation):
     return total, greedy
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request):
+    """A dense model, and a mixture-of-experts one (scoring works on any checkpoint)."""
     torch.manual_seed(0)
+    moe = dict(num_experts=4, num_experts_per_tok=2) if request.param == "moe" else {}
     # a larger init than training's makes the choices' scores differ clearly
-    return PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3, max_position_embeddings=96)).eval()
+    return PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3, max_position_embeddings=96, **moe)).eval()
 
 
 def test_batched_scores_equal_one_forward_per_continuation(model, tokenizer):
