@@ -142,8 +142,7 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
 
     cache = None
     if use_cache:
-        dtype = next(model.parameters()).dtype
-        cache = KVCache(cfg, B, total, device=device, dtype=dtype)
+        cache = KVCache(cfg, B, total, device=device, dtype=KVCache.dtype_for(model, device))
     logits = model(ids, position_ids=positions, attention_mask=attention_mask[:, :P], kv_cache=cache,
                    last_only=True)[:, -1]
     all_ids, all_pos = ids, positions

@@ -98,6 +98,19 @@ class KVCache:
         self.max_len = max_len
         self.length = 0  # number of positions already stored
 
+    @staticmethod
+    def dtype_for(model: nn.Module, device: torch.device) -> torch.dtype:
+        """The dtype the model's keys and values come in: autocast's where it is on (an fp32 cache of bf16 keys
+        would take twice the memory and a cast at every step), else the weights'."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return next(model.parameters()).dtype
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows `index` (repeats allowed): a shared prefix's cache copied to the rows that
+        continue it."""
+        self.k, self.v = self.k[:, index], self.v[:, index]
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's (B, KV, T, D) keys/values for `layer`; return everything cached so far."""
         start, end = self.length, self.length + k.shape[2]
@@ -454,8 +467,12 @@ class PocketLM(nn.Module):
         """Boolean (B or 1, 1, T, start+T) mask, True = may attend; None = plain causal (SDPA fast path).
 
         attention_mask is the Hugging Face-style (B, start+T) padding mask over cached and new tokens. Causality
-        is by cache slot: with left padding a row's slot order is its token order.
+        is by cache slot: with left padding a row's slot order is its token order. A 4-D (B, 1, T, start+T)
+        attention_mask is used as it is, for attention that is not a plain causal order (several continuations
+        after one shared context in one row, each seeing the context and itself: model/scoring.py).
         """
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return attention_mask.bool()
         if attention_mask is None and start == 0:
             return None
         q_slot = torch.arange(start, start + T, device=device)[:, None]
@@ -479,7 +496,7 @@ class PocketLM(nn.Module):
         the trainer adds the balancing losses from them.
 
         position_ids default to consecutive positions after what kv_cache holds; pass them explicitly for
-        left-padded batches (position = number of real tokens before it).
+        left-padded batches (position = number of real tokens before it) and with a 4-D attention_mask.
         """
         B, T = input_ids.shape
         start = kv_cache.length if kv_cache is not None else 0

@@ -102,15 +102,106 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
             targets += ids[-n:]
         with autocast():
             logits = model(x.to(device), logits_at=wanted.to(device))  # (sum of n, vocab), row by row
-        logprobs = F.log_softmax(logits.float(), dim=-1)
-        targets_t = torch.tensor(targets, device=device)
-        picked = logprobs.gather(1, targets_t[:, None])[:, 0]
-        hits = logprobs.argmax(-1) == targets_t
-        counts = [n for _, n in rows]
-        for i, n, lp, hit in zip(chunk, counts, picked.split(counts), hits.split(counts)):
-            scores[i] = ContinuationScore(float(lp.sum()), n, bool(hit.all()))
+        for i, score in zip(chunk, _scores(logits, None, targets, [n for _, n in rows])):
+            scores[i] = score
     model.train(was_training)
     return scores  # type: ignore[return-value]
+
+
+def _scores(logits: torch.Tensor, rows: torch.Tensor | None, targets: list[int], counts: list[int]
+            ) -> list[ContinuationScore]:
+    """Continuation scores from `logits` (N, vocab): rows[i] (or row i, when rows is None) predicts targets[i];
+    the first counts[0] targets are the first continuation's, and so on. A continuation is greedy when each of
+    its tokens has its row's highest log-probability."""
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    rows = torch.arange(len(targets), device=logits.device) if rows is None else rows
+    targets_t = torch.tensor(targets, device=logits.device)
+    picked = logprobs[rows, targets_t]
+    hits = picked == logprobs.amax(-1)[rows]
+    return [ContinuationScore(float(lp.sum()), n, bool(hit.all()))
+            for n, lp, hit in zip(counts, picked.split(counts), hits.split(counts))]
+
+
+@torch.no_grad()
+def score_groups(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[list[int]]]], batch_size: int = 16,
+                 autocast: Autocast = contextlib.nullcontext, pad_id: int = 0) -> list[list[ContinuationScore]]:
+    """Each group's continuations scored after its shared context (an item's choices), with the context's tokens
+    computed once instead of once per choice: what score_pairs gives for each (context, continuation) pair.
+
+    A group is one row: its context, then each continuation's input tokens (all but its last), under a mask in
+    which the context is causal and each continuation sees the context and its own earlier tokens, never another
+    continuation; its positions go on from the context's end. The context's last position predicts every
+    continuation's first token. Rows are right-padded in batches of similar length. Groups of one continuation,
+    and groups whose context would have to be cut to fit the model's positions (the cut depends on the
+    continuation), are scored by score_pairs. `batch_size` counts continuations.
+    """
+    max_len = model.config.max_position_embeddings
+    out: list[list[ContinuationScore]] = [[] for _ in groups]
+    shared, single = [], []
+    for g, (context, continuations) in enumerate(groups):
+        if not context or not continuations or not all(continuations):
+            raise ValueError(f"group {g}: needs a context and continuations of at least one token each")
+        row = len(context) + sum(len(c) - 1 for c in continuations)
+        fits = len(context) + max(map(len, continuations)) - 1 <= max_len and row <= 4 * max_len
+        (shared if fits and len(continuations) > 1 else single).append(g)
+    pairs = [(groups[g][0], c) for g in single for c in groups[g][1]]
+    scores = iter(score_pairs(model, pairs, batch_size, autocast, pad_id))
+    for g in single:
+        out[g] = [next(scores) for _ in groups[g][1]]
+
+    width = [len(groups[g][0]) + sum(len(c) - 1 for c in groups[g][1]) for g in range(len(groups))]
+    shared.sort(key=lambda g: -width[g])  # rows of similar length together: few pads
+    was_training = model.training
+    model.eval()
+    start = 0
+    while start < len(shared):
+        chunk, rows = [], 0  # whole groups, as many as keep the continuations within batch_size (one at least)
+        while start < len(shared) and (not chunk or rows + len(groups[shared[start]][1]) <= batch_size):
+            chunk.append(shared[start])
+            rows += len(groups[shared[start]][1])
+            start += 1
+        for g, group_scores in zip(chunk, _score_rows(model, [groups[g] for g in chunk], autocast, pad_id)):
+            out[g] = group_scores
+    model.train(was_training)
+    return out
+
+
+def _score_rows(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[list[int]]]], autocast: Autocast,
+                pad_id: int) -> list[list[ContinuationScore]]:
+    """One batch of score_groups: a row per group, one forward."""
+    device = next(model.parameters()).device
+    L = max(len(context) + sum(len(c) - 1 for c in cs) for context, cs in groups)
+    x = torch.full((len(groups), L), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(groups), L), dtype=torch.long)
+    segment = torch.full((len(groups), L), -1, dtype=torch.long)  # 0: the context, j: continuation j, -1: pad
+    wanted = torch.zeros((len(groups), L), dtype=torch.bool)  # the positions whose predictions are scored
+    picks: list[int] = []  # the flat position (row * L + column) of each scored prediction, in target order
+    targets: list[int] = []
+    for r, (context, continuations) in enumerate(groups):
+        n = len(context)
+        x[r, :n], positions[r, :n], segment[r, :n] = torch.tensor(context), torch.arange(n), 0
+        wanted[r, n - 1] = True
+        at = n
+        for j, c in enumerate(continuations, start=1):
+            m = len(c) - 1
+            x[r, at:at + m], positions[r, at:at + m], segment[r, at:at + m] = torch.tensor(c[:-1]), \
+                torch.arange(n, n + m), j
+            wanted[r, at:at + m] = True
+            picks += [r * L + n - 1, *range(r * L + at, r * L + at + m)]
+            targets += c
+            at += m
+    order = torch.arange(L)
+    seen = segment[:, None, :]  # the key's segment, for each query row
+    mask = (order[None, None, :] <= order[None, :, None]) & (seen >= 0) & \
+        ((seen == 0) | (seen == segment[:, :, None]))
+    mask |= torch.eye(L, dtype=torch.bool)[None]  # a pad sees itself (no query may see nothing: NaN)
+    with autocast():
+        logits = model(x.to(device), position_ids=positions.to(device), attention_mask=mask[:, None].to(device),
+                       logits_at=wanted.to(device))  # (wanted positions, vocab), row-major
+    index = wanted.flatten().cumsum(0) - 1  # a wanted position's row in `logits`
+    rows = index[torch.tensor(picks)].to(device)
+    scores = iter(_scores(logits, rows, targets, [len(c) for _, cs in groups for c in cs]))
+    return [[next(scores) for _ in cs] for _, cs in groups]
 
 
 @dataclass(frozen=True)
@@ -215,12 +306,18 @@ def task_totals(model: torch.nn.Module, kind: str, items: Sequence[Item] | Seque
         verdicts = [judge(output, item.answers) for output, item in zip(outputs, items)]  # type: ignore[union-attr]
         return TaskTotals(kind, len(items), correct=sum(v.correct for v in verdicts),
                           stated=sum(v.stated for v in verdicts))
-    pairs, owner = [], []
+    groups: list[tuple[list[int], list[list[int]]]] = []  # the continuations after one encoded context
+    owner = []  # the item of each group (WinoGrande's choices differ in their context: a group each)
     for k, item in enumerate(items):
         for context, continuation in item.pairs:  # type: ignore[union-attr]
-            pairs.append(encode_pair(tok.encode, context, continuation, tok.eot_id))
-            owner.append(k)
-    scores = score_pairs(model, pairs, batch_size, autocast, pad_id=tok.eot_id)
+            head, tail = encode_pair(tok.encode, context, continuation, tok.eot_id)
+            if owner and owner[-1] == k and groups[-1][0] == head:
+                groups[-1][1].append(tail)
+            else:
+                groups.append((head, [tail]))
+                owner.append(k)
+    scores = [s for group in score_groups(model, groups, batch_size, autocast, pad_id=tok.eot_id) for s in group]
+    owner = [k for k, (_, tails) in zip(owner, groups) for _ in tails]
     if kind == "bpb":
         return TaskTotals(kind, len(items), nats=-sum(s.logprob for s in scores),
                           bytes=sum(len(item.pairs[0][1].encode("utf-8")) for item in items))  # type: ignore

@@ -222,6 +222,28 @@ def test_ranking_picks_the_most_likely_and_the_most_likely_per_character():
     assert TaskTotals("bpb", 1, nats=math.log(2) * 8, bytes=4).score("t").bpb == pytest.approx(2.0)
 
 
+def test_grouped_scores_equal_one_forward_per_continuation(model, tokenizer):
+    """An item's choices after one shared context, scored in one row (the context once, each continuation
+    seeing it and itself): what one forward per (context, continuation) pair gives. Single continuations and
+    contexts that must be cut go pair by pair."""
+    from model.scoring import score_groups
+    enc = tokenizer.encode
+    groups = [(enc("Question: What is 2+2?\nAnswer:"), [enc(" four"), enc(" five apples"), enc(" 4")]),
+              (enc("The sky is"), [enc(" blue and wide today"), enc(" green")]),
+              (enc("One continuation alone"), [enc(" here")]),
+              (enc("word " * 95), [enc(" end of it all"), enc(" stop")]),  # 95 + 4 tokens do not fit in 96
+              ([tokenizer.eot_id], [enc("Once"), enc("Twice upon a time")]),
+              (enc("床前明月光，"), [enc("疑是地上霜"), enc("举头望明月"), enc("低头思故乡。")])]
+    assert len(groups[3][0]) + len(groups[3][1][0]) - 1 > model.config.max_position_embeddings
+    expected = [[independent_logprob(model, context, c) for c in continuations] for context, continuations in groups]
+    for batch_size in (1, 3, 16):
+        scored = score_groups(model, groups, batch_size=batch_size, pad_id=tokenizer.eot_id)
+        for got, want, (_, continuations) in zip(scored, expected, groups):
+            assert [s.logprob for s in got] == pytest.approx([w[0] for w in want], abs=2e-4)
+            assert [s.greedy for s in got] == [w[1] for w in want]
+            assert [s.tokens for s in got] == [len(c) for c in continuations]
+
+
 def independent_output(model, tok, item):
     """Greedy decoding one token at a time by a full forward over the whole text (no cache, no batch), the
     context cut from the left to leave the budget (at most half the positions), the text cut at a stop string."""
@@ -256,6 +278,19 @@ def test_generated_answers_equal_greedy_decoding_one_item_at_a_time(model, token
     assert len({len(e) for e in expected}) > 1  # outputs of several lengths: stops and budgets took effect
     for batch_size in (1, 3, 16):
         assert generate_outputs(model, items, tokenizer, batch_size=batch_size) == expected
+
+
+def test_scoring_and_generation_run_under_bf16_autocast(model, tokenizer):
+    """As in training's in-loop evaluation: bf16 scores close to fp32's, and generation runs with its KV cache
+    in the dtype the keys come in."""
+    from model.scoring import generate_outputs, score_groups
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    assert len(generate_outputs(model, gen_items()[:3], tokenizer, autocast=bf16)) == 3
+    groups = [(tokenizer.encode("The sky is"), [tokenizer.encode(" blue"), tokenizer.encode(" green today")])]
+    [[blue, green]] = score_groups(model, groups, autocast=bf16, pad_id=tokenizer.eot_id)
+    [[blue32, green32]] = score_groups(model, groups, pad_id=tokenizer.eot_id)
+    assert blue.logprob == pytest.approx(blue32.logprob, rel=0.05) and green.logprob == pytest.approx(green32.logprob,
+                                                                                                     rel=0.05)
 
 
 def test_a_generation_task_scores_exact_matches(model, tokenizer):
