@@ -106,11 +106,6 @@ class KVCache:
             return torch.get_autocast_dtype(device.type)
         return next(model.parameters()).dtype
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the batch rows `index` (repeats allowed): a shared prefix's cache copied to the rows that
-        continue it."""
-        self.k, self.v = self.k[:, index], self.v[:, index]
-
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's (B, KV, T, D) keys/values for `layer`; return everything cached so far."""
         start, end = self.length, self.length + k.shape[2]
