@@ -23,17 +23,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common.device import CPU_BF16_FLAGS, cpu_flags  # noqa: E402
 from dataset.tasks import packaged_task, write_lm_eval_task  # noqa: E402
 
 
 def cpu_name() -> str:
+    """The CPU's model name and its kind: the bf16 flags it has (native bf16), or none (AVX2-only: emulated)."""
+    name = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    flags = cpu_flags() or set()
+    native = sorted(set(CPU_BF16_FLAGS) & flags)
+    return f"{name} ({', '.join(native) if native else 'no bf16 flags'}{', avx2' if 'avx2' in flags else ''})"
 
 
 def timed(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
