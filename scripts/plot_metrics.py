@@ -48,8 +48,20 @@ def read_metrics(path: Path, names: tuple[str, ...] = SERIES) -> tuple[dict[str,
 
 
 def is_task_series(name: str) -> bool:
-    """--eval_tasks' chance-centred accuracies: task/<name>/centred and their average, tasks_centred."""
-    return name == "tasks_centred" or (name.startswith("task/") and name.endswith("/centred"))
+    """--eval_tasks' scores: task/<name>/centred (ranked choices) or task/<name>/acc (a generation task's exact
+    matches, whose chance is 0, so that its accuracy is already centred), and tasks_centred, the average."""
+    return name == "tasks_centred" or (name.startswith("task/") and name.endswith(("/centred", "/acc")))
+
+
+def task_panel(series: dict[str, dict[float, float]]) -> dict[str, dict[float, float]]:
+    """What the task panel draws, by label: each task's centred accuracy (its acc where it has none: a
+    generation task), and the average."""
+    panel = {"average": series["tasks_centred"]} if series.get("tasks_centred") else {}
+    for name, points in series.items():
+        task, _, metric = name.removeprefix("task/").rpartition("/")
+        if name.startswith("task/") and points and (metric == "centred" or f"task/{task}/centred" not in series):
+            panel[task] = points
+    return panel
 
 
 def smooth(values: list[float], weight: float) -> list[float]:
@@ -67,7 +79,7 @@ def plot(series: dict[str, dict[float, float]], out: Path, title: str, weight: f
     matplotlib.use("Agg")  # no display needed (servers, CI)
     import matplotlib.pyplot as plt
 
-    tasks = {name: points for name, points in series.items() if is_task_series(name) and points}
+    tasks = task_panel(series)
     rows = (3, 2, 1) if tasks else (3, 1)
     fig, axes = plt.subplots(len(rows), 1, sharex=True, figsize=(9, 6 + 2 * bool(tasks)),
                              gridspec_kw={"height_ratios": rows})
@@ -75,10 +87,9 @@ def plot(series: dict[str, dict[float, float]], out: Path, title: str, weight: f
     if tasks:
         ax_tasks = axes[1]
         for name, points in sorted(tasks.items()):
-            average = name == "tasks_centred"
+            average = name == "average"
             ax_tasks.plot(list(points), list(points.values()), "o-", markersize=3, linewidth=2 if average else 1,
-                          color="black" if average else None,
-                          label="average" if average else name.removeprefix("task/").removesuffix("/centred"))
+                          color="black" if average else None, label=name)
         ax_tasks.axhline(0, color="gray", linewidth=0.8)
         ax_tasks.set_ylabel("centred accuracy")
         ax_tasks.grid(alpha=0.3)

@@ -654,8 +654,11 @@ def test_plot_metrics_draws_the_task_scores(tmp_path):
     plot_metrics = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_metrics)
     records = [{"step": 2, "loss": 5.0, "lr": 1e-3}, {"step": 2, "val_loss": 5.1},
-               {"step": 2, "task/arc_easy/acc": 0.3, "task/arc_easy/centred": 0.07, "tasks_centred": 0.07}]
+               {"step": 2, "task/arc_easy/acc": 0.3, "task/arc_easy/centred": 0.07, "tasks_centred": 0.07,
+                "task/gsm8k/acc": 0.02, "task/gsm8k/stated": 0.5, "task/lambada/bpb": 3.1}]
     write_jsonl(tmp_path / "metrics.jsonl", records)
     series, bad = plot_metrics.read_metrics(tmp_path / "metrics.jsonl")
-    assert bad == 0 and series["task/arc_easy/centred"] == {2: 0.07} and "task/arc_easy/acc" not in series
+    assert bad == 0 and series["task/arc_easy/centred"] == {2: 0.07}
+    # ranked choices by their centred accuracy, a generation task by its exact matches (chance 0)
+    assert plot_metrics.task_panel(series) == {"average": {2: 0.07}, "arc_easy": {2: 0.07}, "gsm8k": {2: 0.02}}
     assert plot_metrics.main([str(tmp_path)]) == 0 and (tmp_path / "loss.png").stat().st_size > 0
