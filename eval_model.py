@@ -253,7 +253,8 @@ class SweepConfig:
     max_repeat: float = option(0.1, "--sweep: the best value is the lowest self-perplexity among those whose "
                                     "repeated-trigram rate is at most this", at_least=0, at_most=1)
     out: str | None = option(None, "write the results as JSON: --sweep's settings, scores and samples, or each "
-                                   "task's scores (--tasks, --task_file)", metavar="F.json")
+                                   "task's scores (--tasks, --task_file; a generation task's outputs too)",
+                             metavar="F.json")
     plot: str | None = option(None, "--sweep: plot the scores over the values (needs matplotlib)",
                               metavar="F.png")
 

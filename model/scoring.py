@@ -234,6 +234,7 @@ class Item(Protocol):
 class GenerationItem(Protocol):
     """What a generation item offers (dataset/tasks.py GenerationItem)."""
 
+    id: str
     context: str
     answers: tuple[str, ...]
     stop: tuple[str, ...]
@@ -254,6 +255,7 @@ class TaskScore:
     chance: float | None = None
     bpb: float | None = None
     stated: float | None = None
+    samples: tuple[dict, ...] = ()  # a generation task's items: id, output, the answer read, correct
 
     @property
     def centred(self) -> float | None:
@@ -276,6 +278,7 @@ class TaskTotals:
     nats: float = 0.0
     bytes: int = 0
     stated: int = 0
+    samples: tuple[dict, ...] = ()  # not summed across ranks: eval_model.py writes them, one process
 
     def as_list(self) -> list[float]:
         return [self.items, self.correct, self.correct_norm, self.chance, self.nats, self.bytes, self.stated]
@@ -293,7 +296,7 @@ class TaskTotals:
         if n == 0:
             return TaskScore(name, 0)
         if self.kind == "generate":
-            return TaskScore(name, n, acc=self.correct / n, stated=self.stated / n)
+            return TaskScore(name, n, acc=self.correct / n, stated=self.stated / n, samples=self.samples)
         return TaskScore(name, n, acc=self.correct / n, acc_norm=self.correct_norm / n, chance=self.chance / n)
 
 
@@ -304,8 +307,10 @@ def task_totals(model: torch.nn.Module, kind: str, items: Sequence[Item] | Seque
     if kind == "generate":
         outputs = generate_outputs(model, items, tok, batch_size, autocast)  # type: ignore[arg-type]
         verdicts = [judge(output, item.answers) for output, item in zip(outputs, items)]  # type: ignore[union-attr]
+        samples = tuple({"id": item.id, "output": output, "answer": v.answer, "correct": v.correct}
+                        for item, output, v in zip(items, outputs, verdicts))  # type: ignore[union-attr]
         return TaskTotals(kind, len(items), correct=sum(v.correct for v in verdicts),
-                          stated=sum(v.stated for v in verdicts))
+                          stated=sum(v.stated for v in verdicts), samples=samples)
     groups: list[tuple[list[int], list[list[int]]]] = []  # the continuations after one encoded context
     owner = []  # the item of each group (WinoGrande's choices differ in their context: a group each)
     for k, item in enumerate(items):
@@ -387,7 +392,8 @@ def task_table(scores: Sequence[TaskScore]) -> str:
 
 
 def write_scores(path: str | Path, scores: Sequence[TaskScore], **extra: object) -> None:
-    """The scores as strict JSON: `extra` (e.g. the checkpoint), each task's, and the centred average."""
+    """The scores as strict JSON: `extra` (e.g. the checkpoint), each task's (a generation task's outputs
+    too), and the centred average."""
     doc = {**extra, "tasks": [{**dataclasses.asdict(s), "centred": s.centred} for s in scores],
            "centred_average": centred_average(scores)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -356,6 +356,9 @@ def test_eval_model_scores_a_generation_task_file(tmp_path, capsys):
     assert f"| toy_gen | 4 | {expected.acc:.4f} |  |  |  |  | {expected.stated:.4f} |" in out
     [row] = json.loads((tmp_path / "scores.json").read_text())["tasks"]
     assert (row["acc"], row["stated"], row["centred"]) == (expected.acc, expected.stated, None)
+    assert [s["id"] for s in row["samples"]] == ["toy_gen.jsonl:1", "toy_gen.jsonl:2", "toy_gen.jsonl:3",
+                                                 "toy_gen.jsonl:4"]
+    assert row["samples"] == [dict(s) for s in expected.samples] and len(expected.samples) == 4
 
 
 def test_eval_model_task_file_errors_are_one_line(tmp_path, capsys):
