@@ -8,6 +8,7 @@ Two line formats, mixed freely:
         {"id": "q1", "context": "Question: ...\\nAnswer:", "choices": [" a", " b", " c"], "gold": 1}
         {"id": "p1", "context": "The capital of France is", "continuation": " Paris"}
         {"id": "g1", "context": "Question: 2 + 3?\nAnswer:", "answer": "5", "stop": ["\n\n"], "max_new_tokens": 64}
+        {"id": "c1", "conversations": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}
 An item with several choices is a ranked classification (accuracy: the choice of highest log-likelihood); one
 with one continuation (or a request line alone in its doc) is scored in bits per byte of that continuation. The
 request lines of one item may differ in their context (WinoGrande puts each option into the context and scores
@@ -20,7 +21,9 @@ greedily until a stop string or max_new_tokens (DEFAULT_NEW_TOKENS), and the ans
 common/answers.py (exact match). Request lines are generation items when their "request_type" is
 "generate_until", or when the file is read with generate=True (OLMo's "generate_until_and_loglikelihood" files
 hold both a gold continuation and generation settings: "stop_sequences", "generation_kwargs.max_gen_toks", and
-the answer as "label").
+the answer as "label"). A generation item with "conversations" (or "messages") instead of a context is a chat:
+prompted through the chat template, for a chat model, and ended by its end-of-turn token too (the turns end with
+the user's; a last assistant turn with no content, as MiniMind's RL prompts have it, is left out).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from typing import Any
 from common.answers import FLEXIBLE_NUMBER, REGEXES_TO_IGNORE, STRICT_NUMBER
 from common.errors import DataError
 
-from .jsonl import check_path, iter_raw_lines, parse_line
+from .jsonl import check_path, iter_raw_lines, parse_line, validate_messages
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,16 @@ DEFAULT_NEW_TOKENS = 256  # a generation item's budget when it names none (lm-ev
 
 @dataclass(frozen=True)
 class GenerationItem:
-    """One benchmark item answered by generation: the prompt, the right answers (any one counts), the strings
-    that end the output (cut at the first), and the most tokens to generate."""
+    """One benchmark item answered by generation: the prompt (raw text, or chat turns as (role, content) pairs
+    with context ""), the right answers (any one counts), the strings that end the output (cut at the first),
+    and the most tokens to generate."""
 
     id: str
     context: str
     answers: tuple[str, ...]
     stop: tuple[str, ...] = ()
     max_new_tokens: int = DEFAULT_NEW_TOKENS
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,9 +144,24 @@ def _generation_request(record: dict[str, Any], request: dict[str, Any], doc: st
 
 
 def _generation_line(record: dict[str, Any], item_id: str, where: str) -> GenerationItem:
-    return GenerationItem(item_id, _string(record, "context", where), _answers(record["answer"], "answer", where),
+    key = next((k for k in ("conversations", "messages") if k in record), None)
+    messages: tuple[tuple[str, str], ...] = ()
+    if key is not None:
+        turns = record[key]
+        try:
+            validate_messages(turns, key)
+        except ValueError as e:
+            raise DataError(f"{where}: {e}") from None
+        if turns[-1]["role"] == "assistant" and not turns[-1]["content"].strip():
+            turns = turns[:-1]  # MiniMind's RL prompts end with an empty assistant turn: the one to generate
+        if not turns or turns[-1]["role"] != "user":
+            raise DataError(f"{where}: \"{key}\" must end with the user's turn (the model answers it)")
+        messages = tuple((t["role"], t["content"]) for t in turns)
+    context = "" if messages else _string(record, "context", where)
+    return GenerationItem(item_id, context, _answers(record["answer"], "answer", where),
                           _stops(record.get("stop", []), "stop", where),
-                          _budget(record.get("max_new_tokens", DEFAULT_NEW_TOKENS), "max_new_tokens", where))
+                          _budget(record.get("max_new_tokens", DEFAULT_NEW_TOKENS), "max_new_tokens", where),
+                          messages)
 
 
 def read_task_file(path: str | Path, name: str | None = None, generate: bool = False) -> Task:
@@ -185,10 +205,11 @@ def read_task_file(path: str | Path, name: str | None = None, generate: bool = F
             entry["choices"][idx] = (context, continuation)
             continue
         item_id = str(record.get("id", f"{path.name}:{lineno}"))
-        context = _string(record, "context", where)
         if "answer" in record:
             items.append(_generation_line(record, item_id, where))
-        elif "choices" in record:
+            continue
+        context = _string(record, "context", where)
+        if "choices" in record:
             choices = record["choices"]
             if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) for c in choices):
                 raise DataError(f"{where}: \"choices\" must be a list of at least 2 strings")
@@ -375,6 +396,8 @@ def _lm_eval_choices(items: Any, name: str) -> list[dict[str, Any]]:
 
 
 def _lm_eval_generation(items: Any, name: str) -> tuple[list[dict[str, Any]], str]:
+    if any(item.messages for item in items):
+        raise DataError(f"{name}: chat items have no plain-text context for lm-evaluation-harness")
     settings = {(item.stop, item.max_new_tokens) for item in items}
     if len(settings) > 1 or any(len(item.answers) != 1 for item in items):
         raise DataError(f"{name}: an lm-evaluation-harness task has one stop list and budget for all items, and "

@@ -11,7 +11,8 @@ vocabulary projection and the log-softmax run only at the positions that predict
 Generation follows the harness's generate_until: the context encoded alone and cut from the left to leave room
 for the new tokens, greedy decoding until the end-of-text token, a stop string or the item's budget (at most half
 the model's positions), the text decoded without special tokens and cut before its first stop string. Items are
-generated in left-padded batches of equal budget.
+generated in left-padded batches of equal budget. A chat item (messages) is prompted through the chat template
+and also ends at the end-of-turn token.
 
 Nothing here imports dataset/: the tokenizer (encode, decode, end-of-text id) is passed in.
 """
@@ -44,6 +45,10 @@ class Codec(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def stop_ids(self, chat: bool) -> list[int]: ...
 
 
 def encode_pair(encode: Encode, context: str, continuation: str, eot_id: int) -> tuple[list[int], list[int]]:
@@ -239,6 +244,7 @@ class GenerationItem(Protocol):
     answers: tuple[str, ...]
     stop: tuple[str, ...]
     max_new_tokens: int
+    messages: tuple[tuple[str, str], ...]  # a chat prompt instead of the context, when not empty
 
 
 @dataclass(frozen=True)
@@ -342,19 +348,23 @@ def generate_outputs(model: torch.nn.Module, items: Sequence[GenerationItem], to
     prompts = []
     for item in items:
         budget = min(item.max_new_tokens, max_len // 2)
-        ids = tok.encode(item.context) or [tok.eot_id]
-        prompts.append((ids[-(max_len - budget):], budget))
-    # equal budgets together, longest first within them (fewer pads; an out-of-memory shows on the first batch)
-    order = sorted(range(len(items)), key=lambda i: (prompts[i][1], -len(prompts[i][0])))
+        if item.messages:
+            ids = tok.chat_prompt([{"role": role, "content": content} for role, content in item.messages])
+        else:
+            ids = tok.encode(item.context) or [tok.eot_id]
+        prompts.append((ids[-(max_len - budget):], budget, bool(item.messages)))
+    # equal budgets (and prompt kinds) together, longest first within them (fewer pads; an out-of-memory shows on
+    # the first batch)
+    order = sorted(range(len(items)), key=lambda i: (prompts[i][1], prompts[i][2], -len(prompts[i][0])))
     outputs: list[str] = [""] * len(items)
     start = 0
     while start < len(order):
-        budget = prompts[order[start]][1]
-        chunk = [i for i in order[start:start + batch_size] if prompts[i][1] == budget]
+        _, budget, chat = prompts[order[start]]
+        chunk = [i for i in order[start:start + batch_size] if prompts[i][1:] == (budget, chat)]
         start += len(chunk)
         with autocast():
             new = generate(model, [prompts[i][0] for i in chunk], budget, temperature=0.0,
-                           eos_token_ids=[tok.eot_id], pad_token_id=tok.eot_id,
+                           eos_token_ids=tok.stop_ids(chat), pad_token_id=tok.eot_id,
                            stop=StopStrings(tok.decode, [items[i].stop for i in chunk]))
         for i, ids in zip(chunk, new):
             outputs[i] = cut_at_stop(tok.decode(ids, skip_special_tokens=True), items[i].stop)

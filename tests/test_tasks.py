@@ -248,12 +248,16 @@ def independent_output(model, tok, item):
     """Greedy decoding one token at a time by a full forward over the whole text (no cache, no batch), the
     context cut from the left to leave the budget (at most half the positions), the text cut at a stop string."""
     budget = min(item.max_new_tokens, model.config.max_position_embeddings // 2)
-    ids = (tok.encode(item.context) or [tok.eot_id])[-(model.config.max_position_embeddings - budget):]
+    if item.messages:  # a chat: the template's prompt, ended by the end-of-turn token too
+        ids, ends = tok.chat_prompt([{"role": r, "content": c} for r, c in item.messages]), (tok.eot_id, tok.im_end_id)
+    else:
+        ids, ends = tok.encode(item.context) or [tok.eot_id], (tok.eot_id,)
+    ids = ids[-(model.config.max_position_embeddings - budget):]
     new: list[int] = []
     for _ in range(budget):
         with torch.no_grad():
             token = int(model(torch.tensor([ids + new]))[0, -1].argmax())
-        if token == tok.eot_id:
+        if token in ends:
             break
         new.append(token)
         if any(stop in tok.decode(new) for stop in item.stop):
@@ -268,7 +272,30 @@ def gen_items():
             GenerationItem("b", "The capital of France is", ("Paris",), (" the", "."), 20),
             GenerationItem("c", "word " * 150, ("word",), (), 100),  # cut from the left; budget capped at 48
             GenerationItem("d", "", ("x",), ("e",), 6),  # an empty context starts a new document
-            GenerationItem("e", "床前明月光，", ("疑是地上霜",), ("。",), 12)]
+            GenerationItem("e", "床前明月光，", ("疑是地上霜",), ("。",), 12),
+            GenerationItem("f", "", ("8",), (), 10, (("system", "Be brief."), ("user", "What is 3 + 5?"))),
+            GenerationItem("g", "", ("4",), ("\n",), 16, (("user", "2 + 2?"),))]
+
+
+def test_chat_generation_items(tmp_path):
+    """"conversations" (or "messages") instead of a context: a chat prompt, ending with the user's turn;
+    MiniMind's RL prompts' empty last assistant turn is left out."""
+    from dataset.tasks import GenerationItem
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 + 5?"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        {"id": "a", "conversations": turns, "answer": "8"},
+        {"id": "b", "messages": [*turns, {"role": "assistant", "content": ""}], "answer": ["8", "eight"]}])
+    task = read_task_file(path)
+    assert task.kind == "generate" and task.items[0] == GenerationItem(
+        "a", "", ("8",), messages=(("system", "Be brief."), ("user", "3 + 5?")))
+    assert task.items[1].messages == task.items[0].messages and task.items[1].answers == ("8", "eight")
+    bad = [({"conversations": [*turns, {"role": "assistant", "content": "8"}], "answer": "8"},
+            "must end with the user's turn"),
+           ({"conversations": [{"role": "robot", "content": "hi"}], "answer": "8"}, "turn 0 has unknown role"),
+           ({"messages": [], "answer": "8"}, "empty \"messages\"")]
+    for record, message in bad:
+        with pytest.raises(DataError, match=f"bad.jsonl:1: .*{message}"):
+            read_task_file(write_jsonl(tmp_path / "bad.jsonl", [record]))
 
 
 def test_generated_answers_equal_greedy_decoding_one_item_at_a_time(model, tokenizer):
@@ -440,6 +467,8 @@ def test_generation_items_export_as_an_lm_eval_generate_until_task(tmp_path):
     assert rows[1] == {"id": "2", "query": "Q: 1+1?\nA:", "answer": "2"}
     with pytest.raises(DataError, match="one stop list and budget for all items"):
         write_lm_eval_task([items[0], GenerationItem("3", "Q", ("1",), (), 16)], tmp_path, "g")
+    with pytest.raises(DataError, match="chat items have no plain-text context"):
+        write_lm_eval_task([GenerationItem("4", "", ("1",), messages=(("user", "1?"),))], tmp_path, "g")
 
 
 def test_an_lm_eval_task_needs_shared_contexts_and_joining_spaces(tmp_path):
