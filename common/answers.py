@@ -3,8 +3,8 @@
 The judge of generation tasks (eval_model.py --tasks gsm8k, naturalqs_open, ...), and the verifiable reward of
 reinforcement learning. A gold answer is one of two kinds:
 
-    number (GSM8K): the model's answer is the number it states after "the answer is" or "####" (the format the
-        few-shot examples teach: "strict"), else the last number it wrote ("flexible"). Both are found and
+    number (GSM8K): the model's answer is the number it states after "the answer is", "####" or "答案是" (the
+        format the few-shot examples teach: "strict"), else the last number it wrote ("flexible"). Both are found and
         compared as lm-evaluation-harness's gsm8k tasks do (its `regex` filters, then `exact_match` with
         REGEXES_TO_IGNORE and case ignored), so the two agree item by item (tests/test_tasks.py runs the harness).
     text (Natural Questions, SQuAD, ...): the whole output, normalised as SQuAD's scorer does (lower case, no
@@ -19,9 +19,10 @@ import string
 from dataclasses import dataclass
 from typing import Sequence
 
-# What the harness's gsm8k tasks use (one pattern for its two prompt formats: "So the answer is 18." and "#### 18").
-# STRICT takes the first statement, FLEXIBLE the last number-like run ("$1,234.5", or a lone digit).
-STRICT_NUMBER = r"(?:answer is|####) \$?(-?[0-9.,]+)"
+# What the harness's gsm8k tasks use (one pattern for its two prompt formats: "So the answer is 18." and "#### 18",
+# and the Chinese "答案是 18"). STRICT takes the first statement, FLEXIBLE the last number-like run ("$1,234.5", or a
+# lone digit).
+STRICT_NUMBER = r"(?:answer is|####|答案是)\s*\$?(-?[0-9.,]+)"
 FLEXIBLE_NUMBER = r"(-?[$0-9.,]{2,})|(-?[0-9]+)"
 REGEXES_TO_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")  # removed from both sides before comparing
 _NUMBER = re.compile(r"-?[0-9]*\.?[0-9]+")

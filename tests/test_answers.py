@@ -20,6 +20,8 @@ from common.answers import find_number, is_number_answer, judge, normalize_numbe
     (" -3 degrees", "-3", "-3", True, False),
     (" no number at all", "18", None, False, False),
     (" 7 then 8", "7", "8", False, False),  # flexible takes the last number
+    ("7 加 5 等于 12。答案是 12。", "12", "12", True, True),
+    ("答案是13，不是 12", "13", "13", True, True),  # the stated answer, not the last number
 ])
 def test_numbers_are_found_and_compared_as_the_harness_does(output, gold, answer, correct, stated):
     verdict = judge(output, [gold])
@@ -54,8 +56,8 @@ def test_the_kind_of_answer_follows_the_gold():
 OUTPUTS = [" She sells 9 eggs at $2. So the answer is 18.", " So the answer is 18. Then 20 more.",
            " 9 eggs, $2 each: 18 dollars", " The answer is 1,234.", " #### 72", " so the answer is $5",
            " she pays $1,800 in all", " the answer is 17", " -3 degrees", " no number at all", " 7 then 8",
-           " answer is 3.50", " The answer is -12.\n", " 1.5 or 2, the answer is 2", ""]
-GOLDS = ["18", "18", "18", "1234", "72", "5", "1800", "18", "-3", "18", "7", "3.50", "-12", "2", "0"]
+           " answer is 3.50", " The answer is -12.\n", " 1.5 or 2, the answer is 2", "", "答案是 7。"]
+GOLDS = ["18", "18", "18", "1234", "72", "5", "1800", "18", "-3", "18", "7", "3.50", "-12", "2", "0", "7"]
 
 
 def test_the_judge_agrees_with_the_harness_filters_and_metric():
@@ -70,7 +72,8 @@ def test_the_judge_agrees_with_the_harness_filters_and_metric():
     assert lm_eval.__version__
     found = {}
     for name, pattern, group in (("strict", STRICT_NUMBER, 0), ("flexible", FLEXIBLE_NUMBER, -1)):
-        picked = [r[0] for r in RegexFilter(pattern, group_select=group).apply([[o] for o in OUTPUTS], [{}] * 15)]
+        harness = RegexFilter(pattern, group_select=group)
+        picked = [r[0] for r in harness.apply([[o] for o in OUTPUTS], [{}] * len(OUTPUTS))]
         assert picked == [find_number(o, pattern, last=group == -1) or "[invalid]" for o in OUTPUTS], name
         found[name] = [(p, exact_match_hf_evaluate([p], [g], regexes_to_ignore=list(REGEXES_TO_IGNORE),
                                                    ignore_case=True)["exact_match"]) for p, g in zip(picked, GOLDS)]
