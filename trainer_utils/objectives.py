@@ -9,6 +9,8 @@ big batch, and a micro-batch with nothing to learn adds exactly 0.
                       distribution, over the same target tokens; count = tokens
     DPO               direct preference optimisation over (chosen, rejected) pairs, against the reference
                       model's log-probabilities computed once before training; count = pairs
+    PolicyGradient    GRPO's clipped surrogate or CISPO's clipped importance weight over sampled completions,
+                      with their advantages, and an optional KL to a frozen reference; count = completion tokens
 Frozen helpers (the teacher, the reference log-probabilities) belong to the objective; the loop never sees them.
 A mixture-of-experts model's routers report beside the logits (StepOutput.router); the loop adds their balancing
 losses (trainer_utils/routing.py), whatever the objective.
@@ -174,6 +176,59 @@ class DPO(Objective):
                    "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
                    "logp_chosen": policy[:b].sum(), "logp_rejected": policy[b:].sum()}
         return StepOutput(loss.sum(), {k: v.detach() for k, v in metrics.items()}, router)
+
+
+class PolicyGradient(Objective):
+    """The policy loss of reinforcement learning on sampled completions (trainer_utils/rewards.py makes the
+    advantages), summed over the completion tokens, so that the loop's normalisation by the step's completion
+    tokens is the token-level normalisation across each group (DAPO, Dr. GRPO):
+
+        ratio = pi(token) / pi_old(token)            pi_old: the policy that sampled the completion
+        grpo:   -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)          (PPO's surrogate)
+        cispo:  -sg(min(ratio, 1 + epsilon_high)) * A * log pi(token)                     (MiniMax-M1)
+        + beta * (exp(r) - r - 1), r = log ref(token) - log pi(token)                    (KL, the k3 estimator)
+
+    GRPO's clip drops the gradient of a token whose ratio left the trust region in the advantage's direction;
+    CISPO clips only the weight, so every token keeps a gradient. A batch is (inputs, targets, old log-probs,
+    advantages[, reference log-probs]): targets are IGNORE_INDEX except at the completion's tokens, the log-probs
+    per target position (B, T), one advantage per row (B,). Logged per token: the clipped share, the ratio, the
+    KL (with a reference) and the policy's entropy.
+    """
+
+    def __init__(self, loss_type: str = "grpo", epsilon: float = 0.2, epsilon_high: float = 0.2,
+                 beta: float = 0.0) -> None:
+        if loss_type not in ("grpo", "cispo"):
+            raise ValueError(f"loss_type must be grpo or cispo, got {loss_type!r}")
+        self.loss_type, self.epsilon, self.epsilon_high, self.beta = loss_type, epsilon, epsilon_high, beta
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return (batch[1] != IGNORE_INDEX).sum()
+
+    def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
+        x, y, old, advantage = batch[0], batch[1], batch[2].float(), batch[3].float()[:, None]
+        with autocast():
+            logits, router = trained_forward(forward, x)
+        logp = token_log_probs(logits, y)
+        mask = (y != IGNORE_INDEX).float()
+        ratio = torch.exp((logp - old) * mask)  # 1 at ignored positions (their log-probs are 0 either way)
+        high = 1 + self.epsilon_high
+        if self.loss_type == "grpo":
+            clipped = torch.clamp(ratio, 1 - self.epsilon, high) * advantage
+            per_token = -torch.minimum(ratio * advantage, clipped)
+            was_clipped = clipped < ratio * advantage
+        else:
+            per_token = -torch.clamp(ratio, max=high).detach() * advantage * logp
+            was_clipped = ratio > high
+        metrics = {"clip_frac": (was_clipped.float() * mask).sum(), "ratio": (ratio * mask).sum()}
+        if self.beta > 0:
+            r = (batch[4].float() - logp) * mask
+            kl = torch.exp(r) - r - 1
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = (kl * mask).sum()
+        with torch.no_grad():
+            logprobs = F.log_softmax(logits.float(), dim=-1)
+            metrics["entropy"] = (-(logprobs.exp() * logprobs).sum(-1) * mask).sum()
+        return StepOutput((per_token * mask).sum(), {k: v.detach() for k, v in metrics.items()}, router)
 
 
 @torch.no_grad()

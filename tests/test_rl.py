@@ -1,0 +1,174 @@
+"""Reinforcement learning's pieces, against hand-written references: the policy losses (GRPO's clipped surrogate,
+CISPO's clipped importance weight, the k3 KL), masking of prompt and padding tokens, the group-normalised
+advantages, and the checked rewards."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from common.errors import ConfigError
+from common.tokens import IGNORE_INDEX
+from trainer_utils.objectives import PolicyGradient, token_log_probs
+from trainer_utils.rewards import Completion, group_advantages, parse_reward, score
+
+B, T, V = 2, 5, 7
+
+
+class Logits(torch.nn.Module):
+    """A "policy" that is its logits: each token's log-probability is a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.logits = torch.nn.Parameter(torch.randn(B, T, V))
+
+    def forward(self, x: torch.Tensor, return_router: bool = False):
+        return (self.logits, None) if return_router else self.logits
+
+
+def batch(policy: Logits, old_shift: torch.Tensor | float = 0.0, advantages=(1.0, -1.0), reference=None):
+    """Targets on positions 2..4 of row 0 and 2..3 of row 1 (a prompt before, padding after); old log-probs
+    are the policy's own minus `old_shift` (ratio = exp(old_shift))."""
+    x = torch.zeros(B, T, dtype=torch.long)
+    y = torch.full((B, T), IGNORE_INDEX)
+    y[0, 2:5], y[1, 2:4] = torch.tensor([1, 2, 3]), torch.tensor([4, 5])
+    with torch.no_grad():
+        old = token_log_probs(policy.logits, y) - old_shift
+    parts = [x, y, old, torch.tensor(advantages)]
+    return (*parts, reference) if reference is not None else tuple(parts)
+
+
+def loss_and_grad(objective, policy, b):
+    policy.zero_grad()
+    out = objective(policy, b, contextlib.nullcontext)
+    out.loss.backward()
+    return out, policy.logits.grad.clone()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo"])
+def test_at_the_first_step_the_ratio_is_one_and_the_gradient_is_reinforce(loss_type):
+    """Sampled by the policy being trained (old = current): loss = -sum(A) over completion tokens, and the
+    gradient is that of -sum(A * log pi(token)), REINFORCE's."""
+    policy = Logits()
+    b = batch(policy)
+    out, grad = loss_and_grad(PolicyGradient(loss_type), policy, b)
+    mask = (b[1] != IGNORE_INDEX).float()
+    assert PolicyGradient(loss_type).count(b) == 5
+    if loss_type == "grpo":
+        assert out.loss.item() == pytest.approx(-(b[3][:, None] * mask).sum().item())
+    assert out.metrics["ratio"].item() == pytest.approx(5.0) and out.metrics["clip_frac"].item() == 0
+    policy.zero_grad()
+    (-(b[3][:, None] * token_log_probs(policy.logits, b[1])) * mask).sum().backward()
+    torch.testing.assert_close(grad, policy.logits.grad)
+
+
+def test_grpo_clips_on_both_sides_in_the_advantage_direction():
+    """ratio 1.5 (above 1 + 0.2): clipped (no gradient) where A > 0, kept where A < 0; ratio 0.5 (below 1 - 0.2):
+    clipped where A < 0, kept where A > 0. The clipped tokens' loss is -clip(ratio) * A."""
+    for shift, clipped_row in ((math.log(1.5), 0), (math.log(0.5), 1)):
+        policy = Logits()
+        b = batch(policy, shift, advantages=(2.0, -3.0))
+        out, grad = loss_and_grad(PolicyGradient("grpo", epsilon=0.2, epsilon_high=0.2), policy, b)
+        ratio = math.exp(shift)
+        bound = 1.2 if ratio > 1 else 0.8
+        a = (2.0, -3.0)
+        kept_row = 1 - clipped_row
+        tokens = (3, 2)
+        expected = -(bound * a[clipped_row] * tokens[clipped_row] + ratio * a[kept_row] * tokens[kept_row])
+        assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+        assert grad[clipped_row].abs().sum() == 0 and grad[kept_row].abs().sum() > 0
+        assert out.metrics["clip_frac"].item() == tokens[clipped_row]
+
+
+def test_cispo_clips_the_weight_and_keeps_every_gradient():
+    """ratio 1.5 > 1 + epsilon_high: the weight is 1.2, held fixed; the gradient is -1.2 * A * d log pi for every
+    completion token, whatever the advantage's sign."""
+    policy = Logits()
+    b = batch(policy, math.log(1.5), advantages=(2.0, -3.0))
+    out, grad = loss_and_grad(PolicyGradient("cispo", epsilon_high=0.2), policy, b)
+    mask = (b[1] != IGNORE_INDEX).float()
+    assert out.metrics["clip_frac"].item() == 5
+    policy.zero_grad()
+    (-(1.2 * b[3][:, None] * token_log_probs(policy.logits, b[1])) * mask).sum().backward()
+    torch.testing.assert_close(grad, policy.logits.grad)
+    assert grad[0].abs().sum() > 0 and grad[1].abs().sum() > 0
+
+
+def test_prompt_and_padding_tokens_neither_count_nor_learn():
+    policy = Logits()
+    b = batch(policy, math.log(1.3))
+    out, grad = loss_and_grad(PolicyGradient("grpo"), policy, b)
+    other = list(b)
+    other[2] = b[2].clone()
+    other[2][b[1] == IGNORE_INDEX] = -50.0  # nonsense old log-probs where nothing is learned
+    out2, _ = loss_and_grad(PolicyGradient("grpo"), policy, tuple(other))
+    assert out.loss.item() == pytest.approx(out2.loss.item())
+    # a prompt or padding position's logits get no gradient
+    assert grad[0, :2].abs().sum() == 0 and grad[1, :2].abs().sum() == 0 and grad[1, 4].abs().sum() == 0
+
+
+def test_the_kl_to_the_reference_is_the_k3_estimator():
+    policy = Logits()
+    b = batch(policy)
+    logp = token_log_probs(policy.logits, b[1]).detach()
+    mask = b[1] != IGNORE_INDEX
+    same = PolicyGradient("grpo", beta=0.1)(policy, (*b, logp.clone()), contextlib.nullcontext)
+    assert same.metrics["kl"].item() == pytest.approx(0.0, abs=1e-6)
+    reference = logp - 0.5 * mask  # the reference likes every completion token less
+    out = PolicyGradient("grpo", beta=0.1)(policy, (*b, reference), contextlib.nullcontext)
+    k3 = math.exp(-0.5) + 0.5 - 1  # exp(r) - r - 1 at r = -0.5
+    assert out.metrics["kl"].item() == pytest.approx(5 * k3, rel=1e-5)
+    assert out.loss.item() == pytest.approx(same.loss.item() + 0.1 * 5 * k3, rel=1e-5)
+
+
+def test_group_advantages_compare_each_prompts_completions():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 3.0])
+    got = group_advantages(rewards, 4, eps=0.0 + 1e-4)
+    assert got[:4].tolist() == pytest.approx([1, -1, -1, 1], rel=1e-3)  # mean 0.5, std 0.5
+    assert got[4:8].tolist() == [0.0] * 4  # all alike: nothing to prefer
+    assert got[8:].tolist() == pytest.approx([-0.57735, -0.57735, -0.57735, 1.73205], rel=1e-3)
+    assert group_advantages(rewards, 4, scale=False)[8:].tolist() == pytest.approx([-0.75, -0.75, -0.75, 2.25])
+    with pytest.raises(ValueError, match="do not make groups of 5"):
+        group_advantages(rewards, 5)
+
+
+def completion(text, answer="12", tokens=10, budget=40):
+    return Completion(text, tokens, budget, {"answer": answer})
+
+
+def test_built_in_rewards_check_the_answer_the_format_and_the_length():
+    terms = parse_reward("exact, format=0.5, length=0.25")
+    done = [completion("7 + 5 = 12. The answer is 12."), completion("7 + 5 = 13. The answer is 13."),
+            completion("It is 12"), completion("答案是 12。"), completion("12", tokens=30), completion("12", tokens=40)]
+    total, parts = score(terms, done)
+    assert parts["exact"].tolist() == [1, 0, 1, 1, 1, 1]
+    assert parts["format"].tolist() == [1, 1, 0, 1, 0, 0]
+    assert parts["length"].tolist() == pytest.approx([0, 0, 0, 0, -0.5, -1])  # free up to half the budget
+    assert total.tolist() == pytest.approx([1.5, 0.5, 1, 1.5, 1 - 0.125, 1 - 0.25])
+    assert score(parse_reward("exact"), [completion("Paris.", answer=["Paris", "paris, france"])])[0].item() == 1
+
+
+def test_a_users_reward_function_from_a_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text("def polite(completion, record):\n    return 1.0 if 'please' in completion else -1.0\n"
+                    "def broken(completion, record):\n    return 'yes'\n"
+                    "def one_arg(completion):\n    return 0\n")
+    terms = parse_reward(f"exact,{path}:polite=0.5")
+    assert [t.name for t in terms] == ["exact", "polite"]
+    total, parts = score(terms, [completion("please: 12"), completion("no")])
+    assert parts["polite"].tolist() == [1, -1] and total.tolist() == pytest.approx([1.5, -0.5])
+    with pytest.raises(ConfigError, match="broken returned 'yes'; a reward is a finite number"):
+        score(parse_reward(f"{path}:broken"), [completion("x")])
+    for spec, message in ((f"{path}:one_arg", "must take \\(completion: str, record: dict\\)"),
+                          (f"{path}:absent", "has no function 'absent'"),
+                          (f"{tmp_path}/nope.py:f", "no such file"),
+                          ("exakt", "unknown; built in: exact, format, length"),
+                          ("exact=much", "the weight 'much' is not a number"), (" , ", "no terms given")):
+        with pytest.raises(ConfigError, match=message):
+            parse_reward(spec)
+    (tmp_path / "bad.py").write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ConfigError, match="importing .*bad.py failed: RuntimeError: boom"):
+        parse_reward(f"{tmp_path / 'bad.py'}:f")

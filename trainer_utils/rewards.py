@@ -1,0 +1,146 @@
+"""Rewards for reinforcement learning that are checked, not guessed, and the group-normalised advantages made
+from them (GRPO: each prompt's completions compared with each other).
+
+A reward spec is a comma-separated list of terms, each optionally weighted: "exact", "exact=1,format=0.2",
+"exact,length=0.5", "my_rewards.py:score=0.5". The built-in terms (each in [0, 1] or [-1, 0]):
+
+    exact    1 when the completion's answer is the record's "answer" (common/answers.py: a number after "the
+             answer is" or the last number, or the whole text normalised), else 0: the verifiable reward
+    format   1 when the completion states its answer in the taught format ("... The answer is 12."), else 0
+    length   0 up to LENGTH_FREE of the budget, then falling linearly to -1 at the whole budget (a completion
+             cut off by the budget gets -1): long rambling answers cost
+    FILE.py:FUNCTION
+             the user's own: FUNCTION(completion: str, record: dict) -> float, where `record` is the prompt's
+             JSON record (its "answer" and any other fields)
+
+The total is the weighted sum. Nothing here needs a second model: every term is computed from the text.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from common.answers import judge, states_answer
+from common.errors import ConfigError
+
+LENGTH_FREE = 0.5  # the share of the token budget a completion may use before the length term costs anything
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion, as rewards see it: its text, its token count and budget, and its prompt's
+    record (with the gold "answer")."""
+
+    text: str
+    tokens: int
+    budget: int
+    record: dict[str, Any]
+
+
+RewardFn = Callable[[Completion], float]
+
+
+def exact(c: Completion) -> float:
+    answers = c.record.get("answer")
+    answers = [answers] if isinstance(answers, str) else answers
+    return float(judge(c.text, answers).correct) if answers else 0.0
+
+
+def stated(c: Completion) -> float:
+    return float(states_answer(c.text))
+
+
+def length(c: Completion) -> float:
+    free = LENGTH_FREE * c.budget
+    return -min(1.0, max(0.0, (c.tokens - free) / (c.budget - free))) if c.budget > free else 0.0
+
+
+BUILTIN: dict[str, RewardFn] = {"exact": exact, "format": stated, "length": length}
+
+
+@dataclass(frozen=True)
+class Term:
+    """One weighted term of a reward."""
+
+    name: str
+    weight: float
+    fn: RewardFn
+
+
+def user_reward(spec: str) -> RewardFn:
+    """FILE.py:FUNCTION as a reward; ConfigError naming the file when it cannot be used."""
+    path, _, name = spec.rpartition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--reward {spec}: no such file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"pocketlm_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+    try:
+        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as e:  # the user's file: any error it raises is theirs to see, in one line
+        raise ConfigError(f"--reward {spec}: importing {path} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"--reward {spec}: {path} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind("completion", {})
+    except TypeError:
+        raise ConfigError(f"--reward {spec}: {name} must take (completion: str, record: dict)") from None
+
+    def call(c: Completion) -> float:
+        value = fn(c.text, c.record)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"--reward {spec}: {name} returned {value!r}; a reward is a finite number")
+        return float(value)
+    return call
+
+
+def parse_reward(spec: str) -> list[Term]:
+    """The terms of a reward spec (module docstring); ConfigError for an unknown term or a bad weight."""
+    terms = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, eq, weight_text = part.rpartition("=") if "=" in part else (part, "", "")
+        try:
+            weight = float(weight_text) if eq else 1.0
+        except ValueError:
+            raise ConfigError(f"--reward {part}: the weight {weight_text!r} is not a number") from None
+        if not math.isfinite(weight):
+            raise ConfigError(f"--reward {part}: the weight must be finite")
+        if name in BUILTIN:
+            terms.append(Term(name, weight, BUILTIN[name]))
+        elif ".py:" in name:
+            terms.append(Term(name.rpartition(":")[2], weight, user_reward(name)))
+        else:
+            raise ConfigError(f"--reward {name}: unknown; built in: {', '.join(BUILTIN)}, or FILE.py:FUNCTION")
+    if not terms:
+        raise ConfigError("--reward: no terms given")
+    return terms
+
+
+def score(terms: Sequence[Term], completions: Sequence[Completion]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the total reward of each completion, each term's unweighted values), as float32 tensors."""
+    parts = {t.name: torch.tensor([t.fn(c) for c in completions], dtype=torch.float32) for t in terms}
+    total = sum((t.weight * parts[t.name] for t in terms), torch.zeros(len(completions)))
+    return total, parts
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4
+                     ) -> torch.Tensor:
+    """GRPO's advantages: each reward minus the mean of its group (the group_size completions of one prompt,
+    consecutive), divided by the group's standard deviation when `scale` (Dr. GRPO leaves it out: scale=False).
+    A group whose completions all scored the same gets 0: there is nothing to prefer."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not make groups of {group_size}")
+    groups = rewards.view(-1, group_size).float()
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale:
+        centred = centred / (groups.std(dim=1, keepdim=True, unbiased=False) + eps)
+    return centred.flatten()
