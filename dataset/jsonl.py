@@ -90,8 +90,8 @@ def iter_raw_lines(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTE
 
 
 def parse_line(raw: bytes, kind: str) -> dict[str, Any]:
-    """Decode and validate one line as a record of `kind` ("text", "conversations", "dpo", "any" of the first
-    two, or "object": any JSON object); raise ValueError."""
+    """Decode and validate one line as a record of `kind` ("text", "conversations", "dpo", "prompt", "any" of
+    the first two, or "object": any JSON object); raise ValueError."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -108,6 +108,8 @@ def parse_line(raw: bytes, kind: str) -> dict[str, Any]:
         validate_conversations(record)
     elif kind == "dpo":
         validate_preference(record)
+    elif kind == "prompt":
+        validate_prompt(record)
     elif kind == "any":
         if "text" in record:
             validate_text(record)
@@ -185,6 +187,37 @@ def validate_preference(record: dict[str, Any]) -> None:
         raise ValueError("the prompt has no user turn (every turn before the answer is system or assistant)")
     if chosen[-1]["content"].strip() == rejected[-1]["content"].strip():
         raise ValueError('"chosen" and "rejected" answers are identical (nothing to prefer)')
+
+
+def prompt_messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    """The chat a prompt record asks the model to continue: its "prompt" as the user's turn, or its
+    "conversations" (or "messages") without a last assistant turn (MiniMind's RL prompts end with a placeholder
+    answer), which must then end with the user's turn; ValueError otherwise."""
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+            raise ValueError('"prompt" must be a non-empty string')
+        return [{"role": "user", "content": record["prompt"]}]
+    key = next((k for k in ("conversations", "messages") if k in record), None)
+    if key is None:
+        raise ValueError(f'expected a "prompt", "conversations" or "messages" field (keys: {sorted(record)[:5]})')
+    turns = record[key]
+    validate_messages(turns, key)
+    if turns[-1]["role"] == "assistant":
+        turns = turns[:-1]
+    if not turns or turns[-1]["role"] != "user":
+        raise ValueError(f'"{key}" must end with the user\'s turn (the model answers it; one last assistant '
+                         "turn is left out)")
+    return turns
+
+
+def validate_prompt(record: dict[str, Any]) -> None:
+    """A prompt with checked answers (reinforcement learning): prompt_messages() of it, and an "answer" that
+    is a string or a non-empty list of strings."""
+    prompt_messages(record)
+    answer = record.get("answer")
+    answers = [answer] if isinstance(answer, str) else answer
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise ValueError(f'"answer" must be a string or a list of strings (the right answers), got {answer!r}')
 
 
 def read_records(path: str | Path, kind: str, skip_bad_lines: bool = False,

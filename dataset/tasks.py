@@ -23,7 +23,8 @@ common/answers.py (exact match). Request lines are generation items when their "
 hold both a gold continuation and generation settings: "stop_sequences", "generation_kwargs.max_gen_toks", and
 the answer as "label"). A generation item with "conversations" (or "messages") instead of a context is a chat:
 prompted through the chat template, for a chat model, and ended by its end-of-turn token too (the turns end with
-the user's; a last assistant turn with no content, as MiniMind's RL prompts have it, is left out).
+the user's; a last assistant turn, as MiniMind's RL prompts have one, is left out: dataset/jsonl.py
+prompt_messages).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import Any
 from common.answers import FLEXIBLE_NUMBER, REGEXES_TO_IGNORE, STRICT_NUMBER
 from common.errors import DataError
 
-from .jsonl import check_path, iter_raw_lines, parse_line, validate_messages
+from .jsonl import check_path, iter_raw_lines, parse_line, prompt_messages
 
 
 @dataclass(frozen=True)
@@ -144,19 +145,12 @@ def _generation_request(record: dict[str, Any], request: dict[str, Any], doc: st
 
 
 def _generation_line(record: dict[str, Any], item_id: str, where: str) -> GenerationItem:
-    key = next((k for k in ("conversations", "messages") if k in record), None)
     messages: tuple[tuple[str, str], ...] = ()
-    if key is not None:
-        turns = record[key]
+    if "conversations" in record or "messages" in record:
         try:
-            validate_messages(turns, key)
+            messages = tuple((t["role"], t["content"]) for t in prompt_messages(record))
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
-        if turns[-1]["role"] == "assistant" and not turns[-1]["content"].strip():
-            turns = turns[:-1]  # MiniMind's RL prompts end with an empty assistant turn: the one to generate
-        if not turns or turns[-1]["role"] != "user":
-            raise DataError(f"{where}: \"{key}\" must end with the user's turn (the model answers it)")
-        messages = tuple((t["role"], t["content"]) for t in turns)
     context = "" if messages else _string(record, "context", where)
     return GenerationItem(item_id, context, _answers(record["answer"], "answer", where),
                           _stops(record.get("stop", []), "stop", where),

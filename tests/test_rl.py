@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,3 +174,54 @@ def test_a_users_reward_function_from_a_file(tmp_path):
     (tmp_path / "bad.py").write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ConfigError, match="importing .*bad.py failed: RuntimeError: boom"):
         parse_reward(f"{tmp_path / 'bad.py'}:f")
+
+
+# ------------------------------------------------------------------ prompts with checked answers
+def test_prompt_records_in_both_formats(tmp_path, tokenizer):
+    """Our {"prompt", "answer"} and MiniMind's RL conversations (a placeholder last assistant turn left out):
+    chat prompts, the records kept whole for the rewards; batches left-padded, with lengths and indices."""
+    from dataset.prompts import PromptDataset
+
+    from conftest import write_jsonl
+    path = write_jsonl(tmp_path / "rl.jsonl", [
+        {"prompt": "What is 7 + 5?", "answer": "12", "kind": "add"},
+        {"conversations": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+                           {"role": "assistant", "content": "空"}], "answer": ["4", "four"]}])
+    ds = PromptDataset(path, tokenizer, max_prompt_tokens=64)
+    assert len(ds) == ds.num_examples == 2 and ds.records[0]["kind"] == "add"
+    assert ds.prompts[0] == tokenizer.chat_prompt([{"role": "user", "content": "What is 7 + 5?"}])
+    assert ds.prompts[1] == tokenizer.chat_prompt([{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": "2 + 2?"}])
+    ids, lengths, index = ds.batch(np.array([1, 0]))
+    assert index.tolist() == [1, 0] and lengths.tolist() == [len(ds.prompts[1]), len(ds.prompts[0])]
+    for row, i in enumerate([1, 0]):
+        assert ids[row, ids.shape[1] - lengths[row]:].tolist() == ds.prompts[i]
+        assert (ids[row, :ids.shape[1] - lengths[row]] == tokenizer.pad_id).all()
+    assert ds.input_tokens(np.array([0, 1])) == sum(map(len, ds.prompts))
+    # a seeded order per epoch, the same whoever asks and from wherever
+    again = PromptDataset(path, tokenizer, max_prompt_tokens=64)
+    assert ds.global_indices(0, 7).tolist() == again.global_indices(0, 7).tolist()
+    assert ds.global_indices(3, 4).tolist() == again.global_indices(0, 7).tolist()[3:]
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "2 + 2?"}, '"answer" must be a string or a list of strings'),
+    ({"prompt": "", "answer": "4"}, '"prompt" must be a non-empty string'),
+    ({"question": "2 + 2?", "answer": "4"}, 'expected a "prompt", "conversations" or "messages" field'),
+    ({"conversations": [{"role": "assistant", "content": "4"}], "answer": "4"},
+     "\"conversations\" must end with the user's turn"),
+    ({"conversations": [{"role": "user", "content": 4}], "answer": "4"}, 'turn 0 "content" must be a string'),
+    ({"prompt": "word " * 80, "answer": "4"}, "the prompt is 91 tokens, more than the 64 it may take"),
+])
+def test_bad_prompt_lines_name_the_file_and_line_or_are_counted(tmp_path, tokenizer, record, message):
+    from common.errors import DataError
+    from dataset.prompts import PromptDataset
+
+    from conftest import write_jsonl
+    path = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": "1 + 1?", "answer": "2"}, record])
+    with pytest.raises(DataError, match=f"rl.jsonl:2: {re.escape(message)}"):
+        PromptDataset(path, tokenizer, max_prompt_tokens=64)
+    ds = PromptDataset(path, tokenizer, max_prompt_tokens=64, skip_bad_lines=True)
+    assert len(ds) == 1 and ds.report.total == 1
+    with pytest.raises(DataError, match="no usable records|no prompts left"):
+        PromptDataset(write_jsonl(tmp_path / "none.jsonl", [record]), tokenizer, 64, skip_bad_lines=True)

@@ -278,8 +278,8 @@ def gen_items():
 
 
 def test_chat_generation_items(tmp_path):
-    """"conversations" (or "messages") instead of a context: a chat prompt, ending with the user's turn;
-    MiniMind's RL prompts' empty last assistant turn is left out."""
+    """"conversations" (or "messages") instead of a context: a chat prompt, ending with the user's turn; a last
+    assistant turn (MiniMind's RL prompts carry one) is left out."""
     from dataset.tasks import GenerationItem
     turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 + 5?"}]
     path = write_jsonl(tmp_path / "chat.jsonl", [
@@ -289,7 +289,11 @@ def test_chat_generation_items(tmp_path):
     assert task.kind == "generate" and task.items[0] == GenerationItem(
         "a", "", ("8",), messages=(("system", "Be brief."), ("user", "3 + 5?")))
     assert task.items[1].messages == task.items[0].messages and task.items[1].answers == ("8", "eight")
-    bad = [({"conversations": [*turns, {"role": "assistant", "content": "8"}], "answer": "8"},
+    reference = {"conversations": [*turns, {"role": "assistant", "content": "8"}], "answer": "8"}
+    assert read_task_file(write_jsonl(tmp_path / "ref.jsonl", [reference])).items[0].messages == task.items[0].messages
+    bad = [({"conversations": [*turns, *[{"role": "assistant", "content": "8"}] * 2], "answer": "8"},
+            "must end with the user's turn"),
+           ({"conversations": [{"role": "system", "content": "Be brief."}], "answer": "8"},
             "must end with the user's turn"),
            ({"conversations": [{"role": "robot", "content": "hi"}], "answer": "8"}, "turn 0 has unknown role"),
            ({"messages": [], "answer": "8"}, "empty \"messages\"")]
