@@ -168,7 +168,7 @@ def test_a_users_reward_function_from_a_file(tmp_path):
                           (f"{path}:absent", "has no function 'absent'"),
                           (f"{tmp_path}/nope.py:f", "no such file"),
                           ("exakt", "unknown; built in: exact, format, length"),
-                          ("exact=much", "the weight 'much' is not a number"), (" , ", "no terms given")):
+                          ("exact=much", "the weight 'much' is not a number"), (" , ", "names no term")):
         with pytest.raises(ConfigError, match=message):
             parse_reward(spec)
     (tmp_path / "bad.py").write_text("raise RuntimeError('boom')\n")

@@ -78,25 +78,25 @@ def user_reward(spec: str) -> RewardFn:
     path, _, name = spec.rpartition(":")
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"--reward {spec}: no such file {path}")
+        raise ConfigError(f"reward {spec}: no such file {path}")
     module_spec = importlib.util.spec_from_file_location(f"pocketlm_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
     try:
         module_spec.loader.exec_module(module)  # type: ignore[union-attr]
     except Exception as e:  # the user's file: any error it raises is theirs to see, in one line
-        raise ConfigError(f"--reward {spec}: importing {path} failed: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"reward {spec}: importing {path} failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ConfigError(f"--reward {spec}: {path} has no function {name!r}")
+        raise ConfigError(f"reward {spec}: {path} has no function {name!r}")
     try:
         inspect.signature(fn).bind("completion", {})
     except TypeError:
-        raise ConfigError(f"--reward {spec}: {name} must take (completion: str, record: dict)") from None
+        raise ConfigError(f"reward {spec}: {name} must take (completion: str, record: dict)") from None
 
     def call(c: Completion) -> float:
         value = fn(c.text, c.record)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"--reward {spec}: {name} returned {value!r}; a reward is a finite number")
+            raise ConfigError(f"reward {spec}: {name} returned {value!r}; a reward is a finite number")
         return float(value)
     return call
 
@@ -111,17 +111,17 @@ def parse_reward(spec: str) -> list[Term]:
         try:
             weight = float(weight_text) if eq else 1.0
         except ValueError:
-            raise ConfigError(f"--reward {part}: the weight {weight_text!r} is not a number") from None
+            raise ConfigError(f"reward {part}: the weight {weight_text!r} is not a number") from None
         if not math.isfinite(weight):
-            raise ConfigError(f"--reward {part}: the weight must be finite")
+            raise ConfigError(f"reward {part}: the weight must be finite")
         if name in BUILTIN:
             terms.append(Term(name, weight, BUILTIN[name]))
         elif ".py:" in name:
             terms.append(Term(name.rpartition(":")[2], weight, user_reward(name)))
         else:
-            raise ConfigError(f"--reward {name}: unknown; built in: {', '.join(BUILTIN)}, or FILE.py:FUNCTION")
+            raise ConfigError(f"reward {name}: unknown; built in: {', '.join(BUILTIN)}, or FILE.py:FUNCTION")
     if not terms:
-        raise ConfigError("--reward: no terms given")
+        raise ConfigError("a reward spec names no term")
     return terms
 
 
