@@ -225,3 +225,55 @@ def test_bad_prompt_lines_name_the_file_and_line_or_are_counted(tmp_path, tokeni
     assert len(ds) == 1 and ds.report.total == 1
     with pytest.raises(DataError, match="no usable records|no prompts left"):
         PromptDataset(write_jsonl(tmp_path / "none.jsonl", [record]), tokenizer, 64, skip_bad_lines=True)
+
+
+# ------------------------------------------------------------------ rollouts
+@pytest.fixture(scope="module")
+def policy():
+    from model import PocketLM
+
+    from conftest import tiny_config
+    torch.manual_seed(0)
+    return PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3)).eval()
+
+
+def test_rollouts_lay_out_groups_of_completions_for_the_policy_loss(policy, tokenizer):
+    """Each prompt's group on consecutive rows; targets exactly the completion's tokens (its stop token kept);
+    the old log-probs those of one forward per row, without padding."""
+    from trainer_utils.rollouts import sample_rollouts
+    prompts = [tokenizer.chat_prompt([{"role": "user", "content": q}]) for q in ("What is 7 + 5?", "2 + 2?")]
+    first = sample_rollouts(policy, prompts, group=3, max_new_tokens=12, stop_ids=tokenizer.stop_ids(chat=True),
+                            pad_id=tokenizer.pad_id, generator=torch.Generator().manual_seed(1))
+    # the same draws again, with a token that row 0 sampled fifth as a stop token too: rows end early
+    stop = [*tokenizer.stop_ids(chat=True), first.completions[0][4]]
+    out = sample_rollouts(policy, prompts, group=3, max_new_tokens=12, stop_ids=stop, pad_id=tokenizer.pad_id,
+                          generator=torch.Generator().manual_seed(1))
+    assert out.prompt_rows == [0, 0, 0, 1, 1, 1] and len(out.completions) == 6
+    assert not out.truncated[0] and len(out.completions[0]) <= 5 and any(out.truncated)
+    for r, (row, completion) in enumerate(zip(out.prompt_rows, out.completions)):
+        assert completion and (out.truncated[r] == (completion[-1] not in stop))
+        assert len(completion) == 12 or not out.truncated[r]
+        assert all(t not in stop for t in completion[:-1])  # it ended at its first stop token
+        sequence = prompts[row] + completion
+        wanted = out.targets[r] != IGNORE_INDEX
+        assert out.targets[r][wanted].tolist() == completion
+        assert out.inputs[r, :len(sequence) - 1].tolist() == sequence[:-1]
+        with torch.no_grad():
+            logits = policy(torch.tensor([sequence[:-1]]))[0]
+        alone = torch.log_softmax(logits.double(), -1)[torch.arange(len(prompts[row]) - 1, len(sequence) - 1),
+                                                        torch.tensor(completion)]
+        assert out.old_log_probs[r][wanted].tolist() == pytest.approx(alone.tolist(), abs=1e-4)
+        assert (out.old_log_probs[r][~wanted] == 0).all()
+
+
+def test_greedy_rollouts_repeat_one_completion_and_sampling_follows_the_seed(policy, tokenizer):
+    from model.generate import generate
+    from trainer_utils.rollouts import sample_rollouts
+    prompt = tokenizer.chat_prompt([{"role": "user", "content": "Count to five."}])
+    stop = tokenizer.stop_ids(chat=True)
+    greedy = sample_rollouts(policy, [prompt], 3, 10, stop, tokenizer.pad_id, temperature=0.0)
+    alone = generate(policy, [prompt], 10, temperature=0.0, eos_token_ids=stop, pad_token_id=tokenizer.pad_id)[0]
+    assert all(c[:len(alone)] == alone for c in greedy.completions) and len({tuple(c) for c in greedy.completions}) == 1
+    runs = [sample_rollouts(policy, [prompt], 4, 10, stop, tokenizer.pad_id,
+                            generator=torch.Generator().manual_seed(seed)).completions for seed in (5, 5, 6)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]

@@ -1,0 +1,68 @@
+"""Rollouts for reinforcement learning: sample a group of completions per prompt from the current policy, in one
+batched, KV-cached generation (model/generate.py), and lay them out for the policy loss.
+
+Each prompt is repeated `group` times (its group: consecutive rows, as trainer_utils/rewards.py's advantages
+expect). A completion ends at a stop token, which it keeps (the policy learns to stop), or at the budget
+(`truncated`). The training rows are prompt + completion, right-padded: inputs all but the last token, targets
+the completion's tokens only (IGNORE_INDEX over the prompt and the padding), and the sampling policy's
+log-probability of each target (for the importance ratio), computed by one forward without gradients under the
+training precision.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from common.tokens import IGNORE_INDEX
+from model.generate import generate
+
+from .objectives import Autocast, token_log_probs
+
+
+@dataclass
+class Rollouts:
+    """A step's sampled completions (rows = prompts x group) and their training rows."""
+
+    inputs: torch.Tensor  # (N, L) prompt + completion but the last token, right-padded
+    targets: torch.Tensor  # (N, L) the completion's tokens where they are predicted, else IGNORE_INDEX
+    old_log_probs: torch.Tensor  # (N, L) the sampling policy's log-probability of each target (0 elsewhere)
+    completions: list[list[int]]  # each row's completion ids, its stop token included
+    truncated: list[bool]  # the budget ended it, not a stop token
+    prompt_rows: list[int]  # the prompt each row continues (its index in the prompts given)
+
+
+@torch.no_grad()
+def sample_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]], group: int, max_new_tokens: int,
+                    stop_ids: Sequence[int], pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
+                    top_k: int = 0, autocast: Autocast = contextlib.nullcontext,
+                    generator: torch.Generator | None = None) -> Rollouts:
+    """`group` completions of each prompt (token ids), sampled together; see the module docstring."""
+    device = next(model.parameters()).device
+    rows = [i for i in range(len(prompts)) for _ in range(group)]
+    stops = torch.tensor(list(stop_ids), device=device)
+
+    def ends(tokens: torch.Tensor, active: torch.Tensor) -> torch.Tensor:  # a stop token ends its row, kept
+        return torch.isin(tokens, stops) & active
+
+    with autocast():
+        completions = generate(model, [prompts[i] for i in rows], max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, pad_token_id=pad_id, stop=ends, generator=generator)
+    truncated = [not c or c[-1] not in stop_ids for c in completions]
+    width = max(len(prompts[i]) + len(c) for i, c in zip(rows, completions)) - 1
+    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for r, (i, c) in enumerate(zip(rows, completions)):
+        sequence = torch.tensor([*prompts[i], *c], dtype=torch.long)
+        n, p = len(sequence) - 1, len(prompts[i])
+        inputs[r, :n] = sequence[:-1]
+        targets[r, p - 1:n] = sequence[p:]
+    inputs, targets = inputs.to(device), targets.to(device)
+    was_training = model.training
+    model.eval()
+    with autocast():
+        logits = model(inputs)
+    model.train(was_training)
+    return Rollouts(inputs, targets, token_log_probs(logits, targets), completions, truncated, rows)
