@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -23,23 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.device import CPU_BF16_FLAGS, cpu_flags  # noqa: E402
+from common.device import cpu_description  # noqa: E402
 from dataset.tasks import packaged_task, write_lm_eval_task  # noqa: E402
-
-
-def cpu_name() -> str:
-    """The CPU's model name and its kind: the bf16 flags it has (native bf16), or none (AVX2-only: emulated)."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags = cpu_flags() or set()
-    native = sorted(set(CPU_BF16_FLAGS) & flags)
-    return f"{name} ({', '.join(native) if native else 'no bf16 flags'}{', avx2' if 'avx2' in flags else ''})"
 
 
 def timed(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
@@ -81,7 +65,8 @@ def main() -> int:
             theirs_s.append(seconds)
     ours_acc = re.search(rf"\| {args.task} \| \d+ \| ([0-9.]+) \| ([0-9.]+) \|", ours_out)
     theirs_acc = re.search(r"\|acc\s*\|[^|]*\|\s*([0-9.]+)\|", theirs_out)
-    result = {"machine": f"{os.cpu_count()} cores, {cpu_name()}", "checkpoint": args.checkpoint, "task": args.task,
+    result = {"machine": f"{os.cpu_count()} cores, {cpu_description()}", "checkpoint": args.checkpoint,
+              "task": args.task,
               "items": len(items), "continuations": sum(len(i.pairs) for i in items), "batch_size": args.batch_size,
               "ours_s": round(min(ours_s), 2), "lm_eval_s": round(min(theirs_s), 2),
               "ours_items_per_s": round(len(items) / min(ours_s), 2),

@@ -23,6 +23,7 @@ reproduce an fp32 machine's run.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import time
 from dataclasses import dataclass
@@ -126,6 +127,22 @@ def cpu_flags() -> set[str] | None:
         if key.strip() in ("flags", "Features"):
             flags.update(value.split())
     return flags or None
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its kind, for speed reports: "Intel(R) Xeon(R) Processor (amx_bf16, avx512_bf16,
+    avx2)"; "no bf16 flags" names a CPU where bf16 is emulated."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = cpu_flags() or set()
+    native = sorted(set(CPU_BF16_FLAGS) & flags)
+    return f"{name} ({', '.join(native) if native else 'no bf16 flags'}{', avx2' if 'avx2' in flags else ''})"
 
 
 def bf16_speedup(n: int = 256, reps: int = 3) -> float:

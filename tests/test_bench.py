@@ -206,3 +206,21 @@ def test_bench_tasks_times_ours_and_lm_eval_on_the_same_items(tmp_path):
     result = json.loads(out.read_text())
     assert result["items"] == 12 and result["ours_s"] > 0 and result["lm_eval_s"] > 0 and "cores" in result["machine"]
     assert result["ours_acc"] == result["lm_eval_acc"] is not None  # the same scores, or the timing means nothing
+
+
+def test_bench_rollouts_compares_batched_with_one_at_a_time(tmp_path):
+    """RL rollouts, batched and one sequence at a time, on a tiny chat checkpoint and the bundled prompts."""
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
+    from model import PocketLM
+    from model.loading import save_model
+
+    from conftest import tiny_config
+    save_model(PocketLM(tiny_config(vocab_size=6400)), tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    out = tmp_path / "rollouts.json"
+    assert bench_module("bench_rollouts").main(["--checkpoint", str(tmp_path / "m"), "--prompts", "2", "--group", "2",
+                                                "--new_tokens", "4", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["prompts"], report["group"], report["new_tokens"]) == (2, 2, 4) and "cores" in report["machine"]
+    assert report["batched_tokens_per_s"] > 0 and report["one_at_a_time_tokens_per_s"] > 0
+    assert report["speedup"] == pytest.approx(report["batched_tokens_per_s"] / report["one_at_a_time_tokens_per_s"],
+                                              rel=0.01)
