@@ -80,8 +80,12 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     """One token per row of (B, V) probabilities, by inverse transform: one uniform number per row against the
     row's cumulative sum. torch.multinomial draws an exponential number per vocabulary entry (B x V of them), a
     quarter of a batched rollout's time on a CPU. A token of probability 0 is never drawn: its cumulative sum
-    equals its predecessor's, so no draw lands in it."""
+    equals its predecessor's, so no draw lands in it. Probabilities that are not finite (a NaN from a broken
+    temperature, say) raise RuntimeError on the CPU, where checking costs no device sync, as multinomial did;
+    on an accelerator such a row draws an arbitrary token rather than halting the device."""
     cdf = probs.cumsum(dim=-1)
+    if probs.device.type == "cpu" and not bool(torch.isfinite(cdf[:, -1]).all()):
+        raise RuntimeError("probability tensor contains inf or nan")
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
     # rounding may put u * total at the total itself, past the last token: take the likeliest instead

@@ -277,3 +277,5 @@ def test_draws_follow_the_probabilities_and_never_pick_an_impossible_token():
     one_hot = torch.zeros(3, 12)
     one_hot[0, 11], one_hot[1, 0], one_hot[2, 6] = 1, 1, 1
     assert draw(one_hot).tolist() == [11, 0, 6]
+    with pytest.raises(RuntimeError, match="inf or nan"):
+        draw(torch.tensor([[0.5, float("nan")], [0.5, 0.5]]))
