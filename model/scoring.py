@@ -147,6 +147,7 @@ def score_groups(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[
         if not context or not continuations or not all(continuations):
             raise ValueError(f"group {g}: needs a context and continuations of at least one token each")
         row = len(context) + sum(len(c) - 1 for c in continuations)
+        # a row's attention grows with the square of its length: many long choices go pair by pair
         fits = len(context) + max(map(len, continuations)) - 1 <= max_len and row <= 4 * max_len
         (shared if fits and len(continuations) > 1 else single).append(g)
     pairs = [(groups[g][0], c) for g in single for c in groups[g][1]]
