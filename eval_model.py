@@ -178,9 +178,15 @@ class Evaluator:
 
     def tasks(self, tasks: list[Task], batch_size: int) -> list[TaskScore]:
         """Score benchmark tasks (dataset/tasks.py) as lm-evaluation-harness does, by log-likelihood or greedy
-        generation: raw text, no chat template, whatever the checkpoint's prompt format; print one row per task
-        and the chance-centred average of the ranked-choice ones."""
-        scores = [score_items(self.model, task.name, task.kind, task.items, self.tok, batch_size) for task in tasks]
+        generation: raw text whatever the checkpoint's prompt format (chat items of a task file through the chat
+        template); say on stderr how long each took (generation can take minutes); print one row per task and
+        the chance-centred average of the ranked-choice ones."""
+        scores = []
+        for task in tasks:
+            t0 = time.perf_counter()
+            scores.append(score_items(self.model, task.name, task.kind, task.items, self.tok, batch_size))
+            how = "answers generated" if task.kind == "generate" else "items scored"
+            note(f"{task.name}: {len(task.items)} {how} in {time.perf_counter() - t0:.1f}s")
         print(task_table(scores), flush=True)
         return scores
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -381,7 +382,9 @@ def test_eval_model_scores_a_generation_task_file(tmp_path, capsys):
     argv = ["--checkpoint", str(tmp_path / "m"), "--task_file", str(gen), "--device", "cpu", "--dtype", "float32",
             "--out", str(tmp_path / "scores.json")]
     assert eval_model.main(argv) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert re.search(r"note: toy_gen: 4 answers generated in \d+\.\ds", captured.err)
     expected = score_items(model.eval(), "toy_gen", "generate", read_task_file(gen).items, Tokenizer())
     assert "| bits/byte | stated |" in out
     assert f"| toy_gen | 4 | {expected.acc:.4f} |  |  |  |  | {expected.stated:.4f} |" in out
