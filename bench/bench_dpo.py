@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.device import choose_dtype, dtype_name, parse_device, synchronize  # noqa: E402
+from common.device import choose_dtype, cpu_model, dtype_name, parse_device, synchronize  # noqa: E402
 from dataset.config import DataConfig, training_data  # noqa: E402
 from dataset.preference import PreferenceDataset  # noqa: E402
 from dataset.tokenizer import Tokenizer  # noqa: E402
@@ -54,14 +53,6 @@ from trainer_utils.runtime import Precision  # noqa: E402
 DEMO_PAIRS = ROOT / "dataset" / "demo" / "dpo_demo.jsonl"
 VARIANTS = ("cached", "recomputed")
 REFERENCE_BATCH_FACTOR = 1  # the DPO stage's prepare hook walks the pairs in training-sized batches
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else the architecture."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def log(message: str) -> None:

@@ -58,7 +58,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.bench_train import cpu_model  # noqa: E402
+from common.device import cpu_model  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from scripts.plot_metrics import read_metrics  # noqa: E402
 

@@ -34,7 +34,6 @@ import dataclasses
 import gc
 import json
 import math
-import platform
 import resource
 import sys
 import tempfile
@@ -48,7 +47,15 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_pretrain  # noqa: E402
-from common.device import DTYPES, choose_dtype, dtype_name, parse_device, precision_policy, synchronize  # noqa: E402
+from common.device import (  # noqa: E402
+    DTYPES,
+    choose_dtype,
+    cpu_model,
+    dtype_name,
+    parse_device,
+    precision_policy,
+    synchronize,
+)
 from model import ModelConfig, PocketLM  # noqa: E402
 from model.config import config_from_flags, get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
@@ -58,14 +65,6 @@ from trainer_utils.loop import Trainer  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
 from trainer_utils.runtime import Precision  # noqa: E402
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else the architecture."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def reset_peak_rss() -> None:

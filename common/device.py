@@ -129,20 +129,21 @@ def cpu_flags() -> set[str] | None:
     return flags or None
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def cpu_description() -> str:
     """The CPU's model name and its kind, for speed reports: "Intel(R) Xeon(R) Processor (amx_bf16, avx512_bf16,
     avx2)"; "no bf16 flags" names a CPU where bf16 is emulated."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     flags = cpu_flags() or set()
     native = sorted(set(CPU_BF16_FLAGS) & flags)
-    return f"{name} ({', '.join(native) if native else 'no bf16 flags'}{', avx2' if 'avx2' in flags else ''})"
+    return f"{cpu_model()} ({', '.join(native) if native else 'no bf16 flags'}{', avx2' if 'avx2' in flags else ''})"
 
 
 def bf16_speedup(n: int = 256, reps: int = 3) -> float:
