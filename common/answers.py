@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import string
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 # What the harness's gsm8k tasks use (one pattern for its two prompt formats: "So the answer is 18." and "#### 18",
 # and the Chinese "答案是 18"). STRICT takes the first statement, FLEXIBLE the last number-like run ("$1,234.5", or a
@@ -28,6 +28,14 @@ REGEXES_TO_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")  # removed from both si
 _NUMBER = re.compile(r"-?[0-9]*\.?[0-9]+")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def gold_answers(value: Any, key: str = "answer") -> tuple[str, ...]:
+    """A record's right answers: a string, or a non-empty list of strings; ValueError naming `key` otherwise."""
+    answers = [value] if isinstance(value, str) else value
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise ValueError(f'"{key}" must be a string or a list of strings (the right answers), got {value!r}')
+    return tuple(answers)
 
 
 def find_number(text: str, pattern: str, last: bool = False) -> str | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from common.answers import gold_answers
 from common.errors import DataError
 from common.files import write_atomic  # noqa: F401  (re-exported: the data stages write through it)
 from common.tokens import CHAT_ROLES
@@ -214,10 +215,7 @@ def validate_prompt(record: dict[str, Any]) -> None:
     """A prompt with checked answers (reinforcement learning): prompt_messages() of it, and an "answer" that
     is a string or a non-empty list of strings."""
     prompt_messages(record)
-    answer = record.get("answer")
-    answers = [answer] if isinstance(answer, str) else answer
-    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-        raise ValueError(f'"answer" must be a string or a list of strings (the right answers), got {answer!r}')
+    gold_answers(record.get("answer"))
 
 
 def read_records(path: str | Path, kind: str, skip_bad_lines: bool = False,

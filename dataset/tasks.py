@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.answers import FLEXIBLE_NUMBER, REGEXES_TO_IGNORE, STRICT_NUMBER
+from common.answers import FLEXIBLE_NUMBER, REGEXES_TO_IGNORE, STRICT_NUMBER, gold_answers
 from common.errors import DataError
 
 from .jsonl import check_path, iter_raw_lines, parse_line, prompt_messages
@@ -113,12 +113,10 @@ def _unconditional(doc_id: Any) -> bool:
 
 
 def _answers(value: Any, key: str, where: str) -> tuple[str, ...]:
-    """A gold answer: a string, or a non-empty list of strings."""
-    answers = [value] if isinstance(value, str) else value
-    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-        raise DataError(f"{where}: \"{key}\" must be a string or a list of strings (the right answers), got "
-                        f"{value!r}")
-    return tuple(answers)
+    try:
+        return gold_answers(value, key)
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
 
 
 def _stops(value: Any, key: str, where: str) -> tuple[str, ...]:
