@@ -208,8 +208,11 @@ class PolicyGradient(Objective):
         x, y, old, advantage = batch[0], batch[1], batch[2].float(), batch[3].float()[:, None]
         with autocast():
             logits, router = trained_forward(forward, x)
-        logp = token_log_probs(logits, y)
-        mask = (y != IGNORE_INDEX).float()
+        # one log-softmax serves the targets' log-probs and the logged entropy
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        valid = y != IGNORE_INDEX
+        logp = torch.where(valid, logprobs.gather(-1, y.clamp(min=0)[..., None])[..., 0], 0.0)
+        mask = valid.float()
         ratio = torch.exp((logp - old) * mask)  # 1 at ignored positions (their log-probs are 0 either way)
         high = 1 + self.epsilon_high
         if self.loss_type == "grpo":
@@ -226,7 +229,6 @@ class PolicyGradient(Objective):
             per_token = per_token + self.beta * kl
             metrics["kl"] = (kl * mask).sum()
         with torch.no_grad():
-            logprobs = F.log_softmax(logits.float(), dim=-1)
             metrics["entropy"] = (-(logprobs.exp() * logprobs).sum(-1) * mask).sum()
         return StepOutput((per_token * mask).sum(), {k: v.detach() for k, v in metrics.items()}, router)
 
