@@ -41,19 +41,21 @@ class Scope(Protocol):
 
 def option(default: Any, help: str, *, choices: Sequence[Any] | None = None, at_least: float | None = None,
            above: float | None = None, below: float | None = None, at_most: float | None = None,
-           feature: str | None = None,
+           feature: str | tuple[str, ...] | None = None,
            persist: bool = True, hidden: bool = False, aliases: tuple[str, ...] = (),
            metavar: str | None = None, several: bool = False) -> Any:
     """A setting: its default, its help line and its checks.
 
     at_least / above / below / at_most: numeric bounds checked after parsing (None values pass).
-    feature: the setting exists only for entry points (Scopes) with this feature (e.g. "lora"); others reject it.
+    feature: the setting exists only for entry points (Scopes) with this feature (e.g. "adapters"), or with one of
+    several (a tuple: e.g. --beta, DPO's and GRPO's); others reject it.
     persist=False: an action of one invocation (--resume), left out of the written config.
     several=True (list settings): one flag takes several values (--data_path a b); otherwise it repeats
     (--prompt a --prompt b).
     """
+    features = (feature,) if isinstance(feature, str) else feature
     meta = dict(help=help, choices=choices, at_least=at_least, above=above, below=below, at_most=at_most,
-                feature=feature, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar, several=several)
+                features=features, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar, several=several)
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -79,7 +81,8 @@ class Setting:
         return self.field.metadata
 
     def applies_to(self, scope: Scope | None) -> bool:
-        return scope is None or self.meta["feature"] is None or self.meta["feature"] in scope.features
+        features = self.meta["features"]
+        return scope is None or features is None or not scope.features.isdisjoint(features)
 
     def coerce(self, value: Any, where: str) -> Any:
         """`value` (from a file) as this setting's type, or ConfigError naming where it came from."""
@@ -237,8 +240,8 @@ def read_config_file(config_cls: type, path: str | Path, scope: Scope | None = N
         if group is not None and s.group != group:
             raise ConfigError(f"{path}: {name} belongs to group {s.group!r}, not {group!r}")
         if not s.applies_to(scope):
-            raise ConfigError(f"{path}: {name} is a {s.meta['feature']} setting, which {scope.name} runs do not "
-                              "have")
+            raise ConfigError(f"{path}: {name} is a {' or '.join(s.meta['features'])} setting, which {scope.name} "
+                              "runs do not have")
         flat[name] = s.coerce(value, str(path))
 
     for key, value in raw.items():

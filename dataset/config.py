@@ -15,15 +15,18 @@ from common.config import option
 from common.errors import ConfigError
 
 from .datasets import PretrainDataset, SFTDataset
-from .jsonl import DataError
+from .jsonl import DataError, SkipReport
 from .mixture import Mixture
 from .preference import PreferenceDataset
+from .prompts import PromptDataset
 from .token_cache import DEFAULT_SPLIT_SEED, TokenCache, prepare
 from .tokenizer import Tokenizer
 
 # The kinds of training records: raw text ({"text"}), conversations ({"conversations"}) and preference pairs
 # ({"chosen", "rejected"}). The values name the token caches on disk (and `--kind`), so they stay as they were.
-TEXT, CONVERSATIONS, PAIRS = "pretrain", "sft", "dpo"
+# Prompts with checked answers ({"prompt" | "conversations", "answer"}) for reinforcement learning are few and
+# short: tokenized in memory when read, with no cache and no validation split.
+TEXT, CONVERSATIONS, PAIRS, PROMPTS = "pretrain", "sft", "dpo", "prompts"
 DATA_KINDS = (TEXT, CONVERSATIONS, PAIRS)
 
 
@@ -129,7 +132,10 @@ class TrainingData:
 
 def training_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len: int, batch_size: int,
                   seed: int, log: Callable[[str], None] = print) -> TrainingData:
-    """Prepare every --data_path file and build the training order the loop walks (see dataset/mixture.py)."""
+    """Prepare every --data_path file and build the training order the loop walks (see dataset/mixture.py).
+    max_seq_len bounds a record's tokens (PROMPTS: a prompt's)."""
+    if kind == PROMPTS:
+        return prompt_data(data, tokenizer, max_seq_len, seed, log)
     def make(cache: TokenCache, split: str) -> Any:
         if kind == CONVERSATIONS:
             return SFTDataset(cache, split, batch_size, seed, tokenizer.pad_id)
@@ -162,6 +168,21 @@ def training_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len
     info = [{"path": s.path, "name": n, "weight": round(w, 6), "train_samples": len(p)}
             for s, n, w, p in zip(sources, names, weights, parts)]
     return TrainingData(train, val, info)
+
+
+def prompt_data(data: DataConfig, tokenizer: Tokenizer, max_prompt_tokens: int, seed: int,
+                log: Callable[[str], None]) -> TrainingData:
+    """One prompt file, in a seeded order; every prompt trains (the held-out measure is --eval_tasks)."""
+    sources = data.sources()
+    if len(sources) > 1 or sources[0].weight is not None:
+        raise ConfigError(f"--data_path {' '.join(data.data_path)}: reinforcement learning reads one prompt file "
+                          "(no weights); join the files into one")
+    report = SkipReport()
+    prompts = PromptDataset(sources[0].path, tokenizer, max_prompt_tokens, seed, data.skip_bad_lines, report)
+    if report.total:
+        log(f"{sources[0].path}: {report.summary()}")
+    info = [{"path": sources[0].path, "name": sources[0].name, "weight": 1.0, "train_samples": len(prompts)}]
+    return TrainingData(prompts, [], info)
 
 
 def _unique_names(names: list[str]) -> list[str]:

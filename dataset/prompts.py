@@ -54,6 +54,10 @@ class PromptDataset(GlobalOrder):
     def num_examples(self) -> int:
         return len(self.prompts)
 
+    def prompt_text(self, index: int) -> str:
+        """What the prompt asks: its last user turn."""
+        return prompt_messages(self.records[index])[-1]["content"]
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
 

@@ -62,8 +62,9 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def sample_next(logits: torch.Tensor, seen: torch.Tensor | None = None, temperature: float = 1.0,
                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row from (B, V) logits. temperature == 0 means greedy (argmax)."""
+                generator: torch.Generator | None = None, uniform: torch.Tensor | None = None) -> torch.Tensor:
+    """Pick one token per row from (B, V) logits. temperature == 0 means greedy (argmax). `uniform`: (B, 1)
+    numbers in [0, 1) to draw with instead of the generator's (see draw)."""
     if temperature < 0 or not 0.0 < top_p <= 1.0 or repetition_penalty <= 0:
         raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, repetition_penalty > 0; got "
                          f"{temperature}, {top_p}, {repetition_penalty}")
@@ -73,20 +74,23 @@ def sample_next(logits: torch.Tensor, seen: torch.Tensor | None = None, temperat
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = apply_top_p(apply_top_k(logits / temperature, top_k), top_p)
-    return draw(logits.softmax(dim=-1), generator)
+    return draw(logits.softmax(dim=-1), generator, uniform)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None,
+         uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of (B, V) probabilities, by inverse transform: one uniform number per row against the
     row's cumulative sum. torch.multinomial draws an exponential number per vocabulary entry (B x V of them), a
     quarter of a batched rollout's time on a CPU. A token of probability 0 is never drawn: its cumulative sum
     equals its predecessor's, so no draw lands in it. Probabilities that are not finite (a NaN from a broken
     temperature, say) raise RuntimeError on the CPU, where checking costs no device sync, as multinomial did;
-    on an accelerator such a row draws an arbitrary token rather than halting the device."""
+    on an accelerator such a row draws an arbitrary token rather than halting the device. `uniform` (B, 1), when
+    given, are the numbers drawn with: a row's token then depends on that row alone, not on its batch."""
     cdf = probs.cumsum(dim=-1)
     if probs.device.type == "cpu" and not bool(torch.isfinite(cdf[:, -1]).all()):
         raise RuntimeError("probability tensor contains inf or nan")
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    u = uniform.to(cdf.dtype) if uniform is not None else torch.rand((probs.shape[0], 1), generator=generator,
+                                                                      device=probs.device, dtype=cdf.dtype)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
     # rounding may put u * total at the total itself, past the last token: take the likeliest instead
     return torch.where(picked < probs.shape[-1], picked, probs.argmax(dim=-1))
@@ -120,7 +124,8 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
              eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
              on_token: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
              generator: torch.Generator | None = None, use_cache: bool = True,
-             stop: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
+             stop: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             uniforms: torch.Tensor | None = None, log_probs: list[list[float]] | None = None) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to max_new_tokens; return the new ids per prompt.
 
     Prompts are left-padded into one batch with per-row positions, so each row decodes exactly as it would
@@ -128,6 +133,10 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
     after every step with the (B,) sampled ids and a (B,) bool mask of rows that produced a real token;
     stop(tokens, active), when given, after it returns a (B,) bool mask of rows to finish there (their token
     kept), e.g. StopStrings.
+    uniforms (B, max_new_tokens), when given, are the numbers row b draws its n-th token with (instead of the
+    generator's): each row's sample is then a function of its own numbers, whatever batch it is decoded in.
+    log_probs, when given a list, receives each row's log-probability of every token it produced under
+    softmax(logits / temperature), the policy reinforcement learning trains (no penalty, top-k or top-p).
     use_cache=False recomputes the whole sequence each step (slow; a reference for tests and benchmarks).
     """
     if max_new_tokens < 0:
@@ -154,6 +163,7 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
     out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.zeros(B, dtype=torch.long, device=device)  # real tokens produced per row
+    step_log_probs = []
 
     cache = None
     if use_cache:
@@ -163,7 +173,11 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
     all_ids, all_pos = ids, positions
     check_every = done_check_interval(device)
     for n in range(1, max_new_tokens + 1):
-        token = sample_next(logits, seen, temperature, top_k, top_p, repetition_penalty, generator)
+        uniform = uniforms[:, n - 1:n] if uniforms is not None else None
+        token = sample_next(logits, seen, temperature, top_k, top_p, repetition_penalty, generator, uniform)
+        if log_probs is not None:
+            scaled = logits.float() / temperature if temperature > 0 else logits.float()
+            step_log_probs.append(torch.log_softmax(scaled, dim=-1).gather(1, token[:, None])[:, 0])
         is_eos = torch.isin(token, eos) if eos.numel() else torch.zeros_like(done)
         active = ~done & ~is_eos
         token = token.masked_fill(~active, pad_token_id)
@@ -190,7 +204,11 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
                            last_only=True)[:, -1]
     model.train(was_training)
 
-    return [row[:length] for row, length in zip(out.tolist(), lengths.tolist())]
+    lengths = lengths.tolist()
+    if log_probs is not None:
+        per_step = torch.stack(step_log_probs, dim=1).tolist() if step_log_probs else [[] for _ in lengths]
+        log_probs.extend(row[:length] for row, length in zip(per_step, lengths))
+    return [row[:length] for row, length in zip(out.tolist(), lengths)]
 
 
 class StopStrings:

@@ -177,6 +177,27 @@ def test_dpo_under_ddp_and_deepspeed(corpus, tmp_path):
         assert [m["step"] for m in read_metrics(tmp_path / "ds")] == list(range(1, 9))
 
 
+def test_grpo_under_ddp(corpus, tmp_path):
+    """GRPO's groups stay on the rank that holds their prompt, and each row's sampling is keyed by (seed, step,
+    prompt, member): two DDP ranks sample, score and learn what one process does with two accumulation steps."""
+    prompts = tmp_path / "math.jsonl"
+    prompts.write_text("".join((ROOT / "dataset/demo/math_train.jsonl").read_text().splitlines(True)[:32]))
+    single(args(corpus, tmp_path, "sft", data_path=corpus["sft"]), "train_full_sft.py")
+    post = dict(data_path=prompts, init_from=tmp_path / "sft", preset=None, max_seq_len=96, learning_rate=1e-3,
+                num_generations=4, max_completion_tokens=12, sample_prompts="none", max_steps=4, beta=0.05)
+    single(args(corpus, tmp_path, "single", batch_size=2, accumulation_steps=2, **post), "train_grpo.py")
+    torchrun(2, args(corpus, tmp_path, "ddp", batch_size=2, **post), "train_grpo.py")
+    a, b = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "ddp")
+    assert len(a) == len(b) == 4
+    for key in ("reward", "completion_tokens", "reward_std"):  # the same completions, scored the same
+        assert [m[key] for m in a] == pytest.approx([m[key] for m in b], abs=1e-6), key
+    for key in ("loss", "kl"):
+        assert max(abs(x[key] - y[key]) for x, y in zip(a, b)) <= 1e-5, key
+    wa, wb = weights(tmp_path / "single"), weights(tmp_path / "ddp")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=0)
+
+
 def test_deepspeed_launcher_and_plain_python(corpus, tmp_path):
     pytest.importorskip("deepspeed")
     launcher = shutil.which("deepspeed")

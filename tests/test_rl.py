@@ -277,3 +277,24 @@ def test_greedy_rollouts_repeat_one_completion_and_sampling_follows_the_seed(pol
     runs = [sample_rollouts(policy, [prompt], 4, 10, stop, tokenizer.pad_id,
                             generator=torch.Generator().manual_seed(seed)).completions for seed in (5, 5, 6)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_keyed_rows_sample_the_same_completion_in_any_batch(policy, tokenizer):
+    """A row's completion and its log-probs are a function of its key: the second prompt's group comes out the
+    same decoded beside another prompt (other padding, other rows) as alone, and another key gives another."""
+    from trainer_utils.rollouts import sample_rollouts
+    prompts = [tokenizer.chat_prompt([{"role": "user", "content": q}]) for q in ("Hi, how long is a day?", "2+2?")]
+    stop = tokenizer.stop_ids(chat=True)
+    keys = [(7, 0, i, g) for i in range(2) for g in range(3)]
+    both = sample_rollouts(policy, prompts, 3, 12, stop, tokenizer.pad_id, row_keys=keys)
+    alone = sample_rollouts(policy, prompts[1:], 3, 12, stop, tokenizer.pad_id, row_keys=keys[3:])
+    assert both.completions[3:] == alone.completions
+    assert len({tuple(c) for c in alone.completions}) > 1  # the group's members differ
+    wanted = both.targets[3:] != IGNORE_INDEX
+    torch.testing.assert_close(both.old_log_probs[3:][wanted], alone.old_log_probs[alone.targets != IGNORE_INDEX],
+                               atol=1e-5, rtol=0)
+    other = sample_rollouts(policy, prompts[1:], 3, 12, stop, tokenizer.pad_id, row_keys=[(8, 0, 1, g) for g in
+                                                                                           range(3)])
+    assert other.completions != alone.completions
+    with pytest.raises(ValueError, match="2 row keys for 3 rows"):
+        sample_rollouts(policy, prompts[1:], 3, 12, stop, tokenizer.pad_id, row_keys=keys[:2])

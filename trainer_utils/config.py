@@ -171,19 +171,40 @@ class LoraOptions:
 
 @dataclass
 class ObjectiveOptions:
-    """What post-training optimises: DPO's preference loss, or distillation from a teacher."""
+    """What post-training optimises: DPO's preference loss, distillation from a teacher, or reinforcement learning
+    on sampled completions with checked rewards (GRPO / CISPO)."""
 
     title: ClassVar[str] = "objective"
-    beta: float = option(0.1, "DPO: how strongly the policy is held to the reference (larger: closer)", above=0,
-                         feature="preference")
+    beta: float = option(0.1, "DPO: how strongly the policy is held to the reference (larger: closer); GRPO: "
+                              "weight of the KL to the --init_from model (0: no reference model is kept)",
+                         at_least=0, feature=("preference", "reinforcement"))
     label_smoothing: float = option(0.0, "DPO: share of preference labels assumed wrong (conservative DPO)",
                                     at_least=0, below=0.5, feature="preference")
     teacher: str | None = option(None, "distillation: the teacher's run, checkpoint or model dir (required; same "
                                        "tokenizer, any size)", metavar="DIR", feature="teacher")
     alpha: float = option(0.5, "distillation: weight of the labels' cross-entropy; the teacher's KL gets 1 - alpha",
                           at_least=0, at_most=1, feature="teacher")
-    temperature: float = option(1.5, "distillation: softmax temperature of teacher and student (KL scaled by T^2)",
-                                above=0, feature="teacher")
+    temperature: float = option(1.5, "distillation: softmax temperature of teacher and student (KL scaled by "
+                                     "T^2); GRPO: the temperature completions are sampled (and trained) at",
+                                above=0, feature=("teacher", "reinforcement"))
+    num_generations: int = option(8, "GRPO: completions sampled per prompt (a group; advantages compare them)",
+                                  at_least=2, feature="reinforcement")
+    max_completion_tokens: int = option(64, "GRPO: tokens a completion may have (one cut off there is "
+                                            "'truncated'); prompts get --max_seq_len minus this", at_least=1,
+                                        feature="reinforcement")
+    reward: str = option("exact,format=0.1", "GRPO: the reward, weighted terms: exact (the record's answer), "
+                                             "format (the answer stated as taught), length, FILE.py:FUNCTION "
+                                             "(trainer_utils/rewards.py)", metavar="SPEC", feature="reinforcement")
+    scale_rewards: bool = option(True, "GRPO: divide each group's centred rewards by their standard deviation "
+                                       "(--no-scale_rewards: Dr. GRPO's unscaled advantages)",
+                                 feature="reinforcement")
+    loss_type: Literal["grpo", "cispo"] = option(
+        "grpo", "GRPO: the policy loss: grpo, PPO's clipped ratio; cispo, a clipped stop-gradient weight on every "
+                "token (trainer_utils/objectives.py PolicyGradient)", feature="reinforcement")
+    epsilon: float = option(0.2, "GRPO: the ratio's lower clip, 1 - epsilon", at_least=0, below=1,
+                            feature="reinforcement")
+    epsilon_high: float = option(0.2, "GRPO and CISPO: the ratio's upper clip, 1 + epsilon_high", above=0,
+                                 feature="reinforcement")
 
 
 @dataclass

@@ -41,7 +41,7 @@ from .optim import WarmupCosine, build_optimizer
 from .routing import RouterBalance
 from .runtime import StopSignal, rng_state, seed_everything, set_rng_state
 from .session import Session
-from .stages import Stage
+from .stages import Stage, StepBatches
 
 OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and more --accumulation_steps "
             "(same effective batch), --grad_checkpointing, or a shorter --max_seq_len. The last checkpoint "
@@ -89,7 +89,7 @@ class Trainer:
         min_lr = o.min_lr if o.min_lr is not None else o.learning_rate / 10
         self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, self.total_steps)
         self.objective: Objective = s.objective(self.device)
-        s.stage.prepare(self)
+        self.stage_state = s.stage.prepare(self)  # what the stage's hooks keep for this run
         # the parameter through which an empty step's gradients are made NaN (see train_step)
         self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
         # a mixture of experts: its routers' balancing losses and load statistics (trainer_utils/routing.py)
@@ -284,7 +284,8 @@ class Trainer:
         t_wait = time.perf_counter()
         micro, n_input = feeder.next_step()
         wait = time.perf_counter() - t_wait
-        micro = self.session.stage.before_loss(self, micro)
+        prepared = self.session.stage.before_loss(self, StepBatches(micro, n_input))
+        micro, n_input = prepared.micro, prepared.input_tokens
         n_local = sum(self.objective.count(batch) for batch in micro).double()
         # the valid targets of the whole step, over all ranks, normalise the loss (and its input tokens, the
         # routers' losses)
@@ -309,7 +310,7 @@ class Trainer:
         c["skipped"] += 1 - ok
         c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
         c["grad_norm"] = grad_norm.double()
-        outcome = StepOutcome(loss_sum, self.step_metrics, applied, n_local, n_input, wait)
+        outcome = StepOutcome(loss_sum, {**self.step_metrics, **prepared.metrics}, applied, n_local, n_input, wait)
         for component in self.components:
             component.after_step(self, outcome)
 

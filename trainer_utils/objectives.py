@@ -191,15 +191,17 @@ class PolicyGradient(Objective):
     GRPO's clip drops the gradient of a token whose ratio left the trust region in the advantage's direction;
     CISPO clips only the weight, so every token keeps a gradient. A batch is (inputs, targets, old log-probs,
     advantages[, reference log-probs]): targets are IGNORE_INDEX except at the completion's tokens, the log-probs
-    per target position (B, T), one advantage per row (B,). Logged per token: the clipped share, the ratio, the
-    KL (with a reference) and the policy's entropy.
+    per target position (B, T), one advantage per row (B,). The policy is softmax(logits / temperature), the
+    distribution the completions were sampled from. Logged per token: the clipped share, the ratio, the KL (with
+    a reference) and the policy's entropy.
     """
 
     def __init__(self, loss_type: str = "grpo", epsilon: float = 0.2, epsilon_high: float = 0.2,
-                 beta: float = 0.0) -> None:
+                 beta: float = 0.0, temperature: float = 1.0) -> None:
         if loss_type not in ("grpo", "cispo"):
             raise ValueError(f"loss_type must be grpo or cispo, got {loss_type!r}")
         self.loss_type, self.epsilon, self.epsilon_high, self.beta = loss_type, epsilon, epsilon_high, beta
+        self.temperature = temperature
 
     def count(self, batch: Batch) -> torch.Tensor:
         return (batch[1] != IGNORE_INDEX).sum()
@@ -209,7 +211,7 @@ class PolicyGradient(Objective):
         with autocast():
             logits, router = trained_forward(forward, x)
         # one log-softmax serves the targets' log-probs and the logged entropy
-        logprobs = F.log_softmax(logits.float(), dim=-1)
+        logprobs = F.log_softmax(logits.float() / self.temperature, dim=-1)
         valid = y != IGNORE_INDEX
         logp = torch.where(valid, logprobs.gather(-1, y.clamp(min=0)[..., None])[..., 0], 0.0)
         mask = valid.float()

@@ -111,8 +111,9 @@ class Session:
                 shutil.rmtree(self.run_dir)
         self.kind = self.stage.data_kind(config.data)
         self.chat = self.kind != TEXT  # samples, probes and the saved checkpoints use the chat template
-        self.data = training_data(config.data, self.tokenizer, self.kind, self.max_seq_len, config.optim.batch_size,
-                                  config.optim.seed, log=lambda msg: print(msg, file=sys.stderr))
+        self.data = training_data(config.data, self.tokenizer, self.kind, self.stage.record_tokens(self),
+                                  config.optim.batch_size, config.optim.seed,
+                                  log=lambda msg: print(msg, file=sys.stderr))
         self.train_data, self.val_sets = self.data.train, self.data.val
         if config.eval.early_stopping and not self.val_sets:
             raise ConfigError(f"{' '.join(config.data.data_path)}: no validation documents at --val_fraction "

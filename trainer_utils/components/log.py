@@ -1,6 +1,7 @@
 """The training log: every --log_interval steps, one record of the window since the last one.
 
-Losses and metrics are token-weighted over all ranks (one all-reduce, the one host sync per interval), beside
+Losses and metrics are weighted by the objective's units (tokens, pairs) over all ranks; a stage's own metrics
+(GRPO's per completion) by what its metric_unit names (one all-reduce, the one host sync per interval), beside
 the learning rate, gradient norm, throughput, data-wait share, progress counters, the routers' load (MoE), MFU
 where the device's peak is known, and the memory peak. The running sums stay on the device between records.
 """
@@ -57,8 +58,12 @@ class TrainLog(Component):
         loss_sum, valid, tokens, *metrics = trainer.backend.all_reduce_sum(sums).tolist()
         trainer.sync_counters()
         state = trainer.state
+        values = dict(zip(names, metrics))
+        unit = {k: trainer.session.stage.metric_unit(k) for k in names}
+        counts = {u for u in unit.values() if u is not None}
+        per = {k: values.get(unit[k], 0.0) if unit[k] is not None else valid for k in names if k not in counts}
         record = {"step": state.step, "loss": round(loss_sum / valid, 6) if valid > 0 else None,
-                  **{k: round(v / valid, 6) if valid > 0 else None for k, v in zip(names, metrics)},
+                  **{k: round(values[k] / n, 6) if n > 0 else None for k, n in per.items()},
                   "lr": trainer.scheduler.lr, "grad_norm": round(trainer.grad_norm, 4),
                   "tokens_per_s": round(tokens / elapsed), "step_time_s": round(elapsed / max(self.steps, 1), 4),
                   "data_wait_frac": round(self.wait / elapsed, 4), "tokens_seen": state.tokens_seen,

@@ -1,13 +1,15 @@
 """What a training stage is: everything about it in one place, so the loop and the config never name one.
 
-A stage declares its data kind, its flag defaults, the optional settings it has (`features`: "lora" adds the
+A stage declares its data kind, its flag defaults, the optional settings it has (`features`: "adapters" adds the
 LoRA flags, "preference" DPO's, ...), what it needs before training (checks), what it minimises (`objective`), and
-hooks into the one loop: `prepare` runs once before the first step (DPO's reference pass), `before_loss` sees
-each step's micro-batches before the loss (where rollouts would be sampled). The training scripts are one line
-each: `trainer_utils.loop.main(<stage>, argv, __doc__)`.
+hooks into the one loop: `prepare` runs once before the first step (DPO's reference pass; GRPO builds its
+sampler, kept as trainer.stage_state), `before_loss` sees each step's micro-batches before the loss (GRPO turns
+prompts into sampled completions there, with metrics of its own). The training scripts are one line each:
+`trainer_utils.loop.main(<stage>, argv, __doc__)`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -22,6 +24,16 @@ if TYPE_CHECKING:  # hints only: the stages are imported by the config, the sess
     from ..config import TrainConfig
     from ..loop import Trainer
     from ..session import Session
+
+
+@dataclass
+class StepBatches:
+    """One optimizer step's micro-batches on this rank, their non-padding input tokens (counted on the host, for
+    the log's throughput), and metrics the stage adds to the objective's (sums; Stage.metric_unit says per what)."""
+
+    micro: list[Batch]
+    input_tokens: int
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Stage:
@@ -55,16 +67,27 @@ class Stage:
     def check_session(self, session: Session) -> None:
         """Checks that need the tokenizer and the model config (before the data is prepared)."""
 
+    def record_tokens(self, session: Session) -> int:
+        """The most tokens one training record may have (longer ones are cut or dropped as the data says)."""
+        return session.max_seq_len
+
     def objective(self, session: Session, device: torch.device) -> Objective:
         """What it minimises, with its frozen helpers on the device."""
         return LanguageModeling()
 
-    def prepare(self, trainer: Trainer) -> None:
-        """Once, after the model, optimizer and objective are built and before the first step."""
+    def prepare(self, trainer: Trainer) -> Any:
+        """Once, after the model, optimizer and objective are built and before the first step; what it returns
+        is this run's state for the other hooks (trainer.stage_state)."""
+        return None
 
-    def before_loss(self, trainer: Trainer, micro: list[Batch]) -> list[Batch]:
+    def before_loss(self, trainer: Trainer, step: StepBatches) -> StepBatches:
         """Each step's micro-batches on their way to the loss (e.g. completed by rollouts); as they are here."""
-        return micro
+        return step
+
+    def metric_unit(self, name: str) -> str | None:
+        """The metric that counts what `name` (one of before_loss's metrics) is averaged over in the log; None:
+        the objective's unit. A metric that counts is not logged itself."""
+        return None
 
     def __repr__(self) -> str:
         return f"<stage {self.name}>"

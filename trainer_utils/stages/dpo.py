@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from common.device import dtype_name
+from common.errors import ConfigError
 from common.files import file_sha256, write_atomic
 from dataset.config import PAIRS, DataConfig
 from model.checkpoint import load_model
@@ -28,6 +29,7 @@ from ..objectives import DPO, Objective, sequence_log_probs
 from .base import Stage
 
 if TYPE_CHECKING:
+    from ..config import TrainConfig
     from ..loop import Trainer
     from ..session import Session
 
@@ -52,6 +54,12 @@ class PreferenceOptimization(Stage):
 
     def data_kind(self, data: DataConfig) -> str:
         return PAIRS
+
+    def check(self, config: TrainConfig) -> None:
+        super().check(config)
+        if config.objective.beta <= 0:  # the setting allows 0 for GRPO, where it means no KL term
+            raise ConfigError(f"--beta must be > 0 for DPO (it scales the log-ratio margins), got "
+                              f"{config.objective.beta}")
 
     def objective(self, session: Session, device: torch.device) -> Objective:
         return DPO(session.config.objective.beta, session.config.objective.label_smoothing)
