@@ -10,7 +10,7 @@ DEMO_SFT_STEPS ?= 150
 DEMO_PLAN_FLAGS := $(if $(and $(filter file,$(origin DEMO_PRETRAIN_STEPS)),$(filter file,$(origin DEMO_SFT_STEPS))),,--as-given)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: install install-dev test test-fast lint demo demo-post demo-moe bench
+.PHONY: install install-dev test test-fast lint demo demo-post demo-rl demo-moe bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
@@ -81,6 +81,19 @@ demo-post: install
 		--teacher $(DEMO_OUT)/demo-pretrain --alpha 1 --run_name demo-student
 	$(PYTHON) scripts/summarize_runs.py $(DEMO_OUT)/demo-lora $(DEMO_OUT)/demo-dpo $(DEMO_OUT)/demo-distill \
 		$(DEMO_OUT)/demo-student
+
+# Reinforcement learning with verifiable rewards on the demo SFT model (after `make demo`): a short SFT on the
+# bundled math task's answer format (recipes/demo-math-sft.yaml), then GRPO on its training questions
+# (recipes/demo-grpo.yaml), each scored on the 401 held-out questions (exact match, greedy) before and after.
+MATH_HELDOUT := --task_file dataset/demo/math_heldout.jsonl
+demo-rl: install
+	$(PYTHON) train_full_sft.py --config recipes/demo-math-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-sft
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-math-sft $(MATH_HELDOUT)
+	$(PYTHON) train_grpo.py --config recipes/demo-grpo.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-math-sft
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-grpo $(MATH_HELDOUT)
+	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-grpo
 
 # A mixture of experts on the demo corpus (recipes/demo-moe-pretrain.yaml: the demo model's shape, 8 experts top-2 at the
 # dense model's compute), then the same with auxiliary-loss-free balancing; perplexity and each layer's router load

@@ -50,6 +50,11 @@ def find_number(text: str, pattern: str, last: bool = False) -> str | None:
     return match.strip()
 
 
+def stated_numbers(text: str) -> list[str]:
+    """Every number the text states in the taught format, normalised, in order."""
+    return [normalize_number(m.strip()) for m in re.findall(STRICT_NUMBER, text)]
+
+
 def states_answer(text: str) -> bool:
     """Whether the text states a number in the taught format ("... the answer is 12", "#### 12", "答案是 12")."""
     return find_number(text, STRICT_NUMBER) is not None

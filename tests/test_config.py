@@ -13,6 +13,7 @@ import eval_model
 import train_distillation
 import train_dpo
 import train_full_sft
+import train_grpo
 import train_lora
 import train_pretrain
 from common.config import build_config, parse_config, read_config_file, to_dict
@@ -110,13 +111,19 @@ def test_every_recipe_parses_for_its_stage():
         stage = recipe_stage(path)
         config = parse_train_config(stage, ["--config", str(path)], "")
         assert read_config_file(TrainConfig, path, STAGES[stage]), path
-        assert (config.model.init_from is not None) == (stage in ("sft", "lora", "dpo")) or stage == "distill", path
+        trains_on_a_model = stage in ("sft", "lora", "dpo", "grpo")
+        assert (config.model.init_from is not None) == trains_on_a_model or stage == "distill", path
         assert (config.objective.teacher is not None) == (stage == "distill"), path
     gpt2 = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/gpt2-100m-pretrain.yaml")], "")
     o = gpt2.optim
     assert (o.learning_rate, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.warmup_steps, o.min_lr) == \
         (3e-4, 0.9, 0.95, 1e-8, 0.1, 1000, 1e-5)
     assert (o.batch_size, o.accumulation_steps, o.max_steps, gpt2.model.max_seq_len) == (8, 4, 50000, 512)
+
+
+def sibling(path: Path, stage: str) -> Path:
+    """The recipe of the same model for another stage."""
+    return path.with_name(f"{path.stem.rsplit('-', 1)[0]}-{stage}.yaml")
 
 
 def recipe_stage(path) -> str:
@@ -133,22 +140,32 @@ def test_every_recipe_trains_two_steps(corpus, tmp_path):
     for path in [p for p in RECIPES if p.stem.endswith("pretrain")]:
         extra = ["--tokenizer", str(ROOT / "model/tokenizer")] if "gpt2" in path.stem else []  # no 16k one here
         assert train_pretrain.main(["--config", str(path), *small, *extra]) == 0, path
-    for path in [p for p in RECIPES if p.stem.endswith("sft")]:
-        pretrain = tmp_path / read_config_file(TrainConfig, path.with_name(path.name.replace("sft", "pretrain")),
-                                               STAGES["pretrain"])["run_name"]
-        args = [*small, "--data_path", str(corpus["sft"]), "--init_from", str(pretrain)]
+    # SFT on a pretraining recipe's run first, then SFT on an SFT run (demo-math-sft: on demo-sft)
+    sft = sorted((p for p in RECIPES if p.stem.endswith("sft")), key=lambda p: not sibling(p, "pretrain").exists())
+    for path in sft:
+        start = sibling(path, "pretrain")
+        if start.exists():
+            init = tmp_path / read_config_file(TrainConfig, start, STAGES["pretrain"])["run_name"]
+        else:
+            init = tmp_path / Path(read_config_file(TrainConfig, path, STAGES["sft"])["init_from"]).name
+        args = [*small, "--data_path", str(corpus["sft"]), "--init_from", str(init)]
         assert train_full_sft.main(["--config", str(path), *args]) == 0, path
         assert load_model(tmp_path / read_config_file(TrainConfig, path, STAGES["sft"])["run_name"])[0] is not None
     # post-training on the runs above: each recipe's --init_from / --teacher point at them by run name
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join((ROOT / "dataset/demo/dpo_demo.jsonl").read_text().splitlines(True)[:40]))
-    scripts = {"lora": train_lora.main, "dpo": train_dpo.main, "distill": train_distillation.main}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((ROOT / "dataset/demo/math_train.jsonl").read_text().splitlines(True)[:40]))
+    scripts = {"lora": train_lora.main, "dpo": train_dpo.main, "distill": train_distillation.main,
+               "grpo": train_grpo.main}
     for path in [p for p in RECIPES if recipe_stage(p) in scripts]:
         stage = recipe_stage(path)
         recipe = read_config_file(TrainConfig, path, STAGES[stage])
         chat = stage == "lora" or "sft" in recipe["data_path"][0]  # distillation takes either kind
-        data = pairs if stage == "dpo" else corpus["sft" if chat else "pretrain"]
+        data = {"dpo": pairs, "grpo": prompts}.get(stage) or corpus["sft" if chat else "pretrain"]
         args = [*small, "--data_path", str(data)]
+        if stage == "grpo":  # a prompt and its completion within the context; no held-out task in a smoke test
+            args += ["--max_seq_len", "64", "--max_completion_tokens", "8", "--eval_tasks", "none"]
         for key in ("init_from", "teacher"):
             if recipe.get(key):
                 args += [f"--{key}", str(tmp_path / Path(recipe[key]).name)]

@@ -151,6 +151,10 @@ def test_built_in_rewards_check_the_answer_the_format_and_the_length():
     assert parts["length"].tolist() == pytest.approx([0, 0, 0, 0, -0.5, -1])  # free up to half the budget
     assert total.tolist() == pytest.approx([1.5, 0.5, 1, 1.5, 1 - 0.125, 1 - 0.25])
     assert score(parse_reward("exact"), [completion("Paris.", answer=["Paris", "paris, france"])])[0].item() == 1
+    # hedging does not pay: different stated numbers score 0; one number stated twice is right, but not the format
+    hedged = [completion("The answer is 12. The answer is 4."), completion("答案是 12。 The answer is 12.")]
+    _, parts = score(terms, hedged)
+    assert parts["exact"].tolist() == [0, 1] and parts["format"].tolist() == [0, 0]
 
 
 def test_a_users_reward_function_from_a_file(tmp_path):

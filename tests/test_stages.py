@@ -12,8 +12,8 @@ from common.tokens import IGNORE_INDEX
 from dataset.config import DataConfig
 from model.loading import resolve_model_dir
 from trainer_utils.loop import main
-from trainer_utils.objectives import Batch, LanguageModeling
-from trainer_utils.stages import STAGES, Stage
+from trainer_utils.objectives import LanguageModeling
+from trainer_utils.stages import STAGES, Stage, StepBatches
 
 from conftest import ROOT, cli_flags, read_metrics
 
@@ -23,7 +23,8 @@ class FirstHalf(LanguageModeling):
 
 
 class FirstHalfStage(Stage):
-    """Pretraining text, learning only the first half of each window; counts its hook calls."""
+    """Pretraining text, learning only the first half of each window; counts its hook calls, and logs the share
+    of targets it kept per window (a metric of its own, averaged over the windows it counts)."""
 
     name = "firsthalf"
     script = "test_stages.py"
@@ -41,14 +42,21 @@ class FirstHalfStage(Stage):
     def prepare(self, trainer) -> None:
         self.prepared += 1
 
-    def before_loss(self, trainer, micro: list[Batch]) -> list[Batch]:
+    def before_loss(self, trainer, step: StepBatches) -> StepBatches:
         self.steps += 1
-        out = []
-        for x, y in micro:
+        out, kept, windows = [], 0.0, 0
+        for x, y in step.micro:
             y = y.clone()
             y[:, y.shape[1] // 2:] = IGNORE_INDEX
             out.append((x, y))
-        return out
+            kept += ((y != IGNORE_INDEX).sum(1) / y.shape[1]).sum().item()
+            windows += y.shape[0]
+        metrics = {"kept_share": torch.tensor(kept, dtype=torch.float64),
+                   "windows": torch.tensor(float(windows), dtype=torch.float64)}
+        return StepBatches(out, step.input_tokens, metrics)
+
+    def metric_unit(self, name: str) -> str | None:
+        return "windows" if name == "kept_share" else None
 
 
 def toy_flags(corpus, tmp_path, **over) -> list[str]:
@@ -67,6 +75,8 @@ def test_a_stage_defined_in_a_test_trains_checkpoints_and_resumes(corpus, tmp_pa
     assert stage.prepared == 1 and stage.steps == 3
     # the hook's masking reached the loss: half of each 32-token window is learned, 2 windows a step
     assert [r["tokens_seen"] for r in read_metrics(run)] == [2 * 16 * 2, 3 * 16 * 2]
+    # its own metric, per window (not per token, the objective's unit); the count itself is not logged
+    assert all(r["kept_share"] == 0.5 and "windows" not in r for r in read_metrics(run))
     assert json.loads((resolve_model_dir(run) / "train_info.json").read_text())["method"] == "firsthalf"
 
     assert main(stage, toy_flags(corpus, tmp_path, resume=True), None) == 0
@@ -88,6 +98,17 @@ def test_a_stage_has_only_the_settings_of_its_features(corpus, tmp_path, capsys)
     assert "test_stages.py trains on top of a trained model: pass --init_from" in capsys.readouterr().err
 
 
+def test_a_setting_may_serve_several_features():
+    """--beta is DPO's and GRPO's, --temperature distillation's and GRPO's; each stage has only its own."""
+    from common.config import settings
+    from trainer_utils.config import TrainConfig
+    known = settings(TrainConfig)
+    have = {name: {s for s, stage in STAGES.items() if known[name].applies_to(stage)}
+            for name in ("beta", "temperature", "label_smoothing", "num_generations")}
+    assert have == {"beta": {"dpo", "grpo"}, "temperature": {"distill", "grpo"}, "label_smoothing": {"dpo"},
+                    "num_generations": {"grpo"}}
+
+
 def test_every_script_is_one_registered_stage():
     scripts = {p.name for p in ROOT.glob("train_*.py")} - {"train_tokenizer.py"}
     assert {s.script for s in STAGES.values()} == scripts
@@ -95,7 +116,7 @@ def test_every_script_is_one_registered_stage():
         assert f'train("{stage.name}", argv, __doc__)' in (ROOT / stage.script).read_text()
 
 
-STAGE_NAMES = re.compile(r"""["'](pretrain|sft|lora|dpo|distill)["']""")
+STAGE_NAMES = re.compile(r"""["'](pretrain|sft|lora|dpo|distill|grpo)["']""")
 
 
 LOOP_FILES = ["trainer_utils/loop.py", "trainer_utils/session.py", "trainer_utils/config.py",
@@ -112,8 +133,8 @@ def test_the_loop_names_no_stage_and_tests_no_objective_type(path):
 def test_the_empty_step_poison_still_skips_a_toy_stage_step(corpus, tmp_path):
     """A stage whose hook leaves no target in a step: the step is skipped like any empty one (not applied)."""
     class NoTargets(FirstHalfStage):
-        def before_loss(self, trainer, micro):
-            return [(x, torch.full_like(y, IGNORE_INDEX)) for x, y in micro]
+        def before_loss(self, trainer, step):
+            return StepBatches([(x, torch.full_like(y, IGNORE_INDEX)) for x, y in step.micro], step.input_tokens)
 
     assert main(NoTargets(), toy_flags(corpus, tmp_path, max_steps=2, eval_interval=100, save_interval=100), None) == 0
     [record] = read_metrics(tmp_path / "firsthalf-tiny")

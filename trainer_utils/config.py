@@ -23,6 +23,7 @@ from dataset.config import DataConfig
 from model.config import get_preset, model_flags, switches
 from model.inference import DeviceConfig
 
+from .objectives import POLICY_LOSSES
 from .runtime import compile_toolchain_problem
 from .stages import Stage, get_stage
 
@@ -145,7 +146,8 @@ class EvalOptions:
                                      "batch at every evaluation, into metrics.jsonl (and histograms)")
     eval_tasks: str | None = option(None, "benchmarks scored at every evaluation, comma-separated: names as "
                                           "eval_model.py --tasks takes them (arc_easy, hellaswag, ..., core) or task "
-                                          "files; logged as task/<name>/acc, acc_norm, centred (or bpb)",
+                                          "files; logged as task/<name>/acc, acc_norm, centred (or bpb); "
+                                          "'none': off, e.g. over a recipe's",
                                     metavar="NAMES")
     eval_task_items: int = option(200, "--eval_tasks: items scored per task (its first N)", at_least=1)
 
@@ -198,9 +200,10 @@ class ObjectiveOptions:
     scale_rewards: bool = option(True, "GRPO: divide each group's centred rewards by their standard deviation "
                                        "(--no-scale_rewards: Dr. GRPO's unscaled advantages)",
                                  feature="reinforcement")
-    loss_type: Literal["grpo", "cispo"] = option(
-        "grpo", "GRPO: the policy loss: grpo, PPO's clipped ratio; cispo, a clipped stop-gradient weight on every "
-                "token (trainer_utils/objectives.py PolicyGradient)", feature="reinforcement")
+    loss_type: str = option(
+        POLICY_LOSSES[0], "GRPO: the policy loss: grpo, PPO's clipped ratio; cispo, a clipped stop-gradient weight "
+                          "on every token (trainer_utils/objectives.py PolicyGradient)", choices=POLICY_LOSSES,
+        feature="reinforcement")
     epsilon: float = option(0.2, "GRPO: the ratio's lower clip, 1 - epsilon", at_least=0, below=1,
                             feature="reinforcement")
     epsilon_high: float = option(0.2, "GRPO and CISPO: the ratio's upper clip, 1 + epsilon_high", above=0,

@@ -178,6 +178,9 @@ class DPO(Objective):
         return StepOutput(loss.sum(), {k: v.detach() for k, v in metrics.items()}, router)
 
 
+POLICY_LOSSES = ("grpo", "cispo")
+
+
 class PolicyGradient(Objective):
     """The policy loss of reinforcement learning on sampled completions (trainer_utils/rewards.py makes the
     advantages), summed over the completion tokens, so that the loop's normalisation by the step's completion
@@ -198,8 +201,8 @@ class PolicyGradient(Objective):
 
     def __init__(self, loss_type: str = "grpo", epsilon: float = 0.2, epsilon_high: float = 0.2,
                  beta: float = 0.0, temperature: float = 1.0) -> None:
-        if loss_type not in ("grpo", "cispo"):
-            raise ValueError(f"loss_type must be grpo or cispo, got {loss_type!r}")
+        if loss_type not in POLICY_LOSSES:
+            raise ValueError(f"loss_type must be one of {POLICY_LOSSES}, got {loss_type!r}")
         self.loss_type, self.epsilon, self.epsilon_high, self.beta = loss_type, epsilon, epsilon_high, beta
         self.temperature = temperature
 

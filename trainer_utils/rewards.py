@@ -5,8 +5,10 @@ A reward spec is a comma-separated list of terms, each optionally weighted: "exa
 "exact,length=0.5", "my_rewards.py:score=0.5". The built-in terms (each in [0, 1] or [-1, 0]):
 
     exact    1 when the completion's answer is the record's "answer" (common/answers.py: a number after "the
-             answer is" or the last number, or the whole text normalised), else 0: the verifiable reward
-    format   1 when the completion states its answer in the taught format ("... The answer is 12."), else 0
+             answer is" or the last number, or the whole text normalised), else 0: the verifiable reward. A
+             completion that states several different numbers ("The answer is 3. The answer is 4.") gets 0:
+             otherwise listing guesses pays, and a policy learns to
+    format   1 when the completion states one answer in the taught format ("... The answer is 12."), else 0
     length   0 up to LENGTH_FREE of the budget, then falling linearly to -1 at the whole budget (a completion
              cut off by the budget gets -1): long rambling answers cost
     FILE.py:FUNCTION
@@ -26,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from common.answers import judge, states_answer
+from common.answers import judge, stated_numbers
 from common.errors import ConfigError
 
 LENGTH_FREE = 0.5  # the share of the token budget a completion may use before the length term costs anything
@@ -49,11 +51,13 @@ RewardFn = Callable[[Completion], float]
 def exact(c: Completion) -> float:
     answers = c.record.get("answer")
     answers = [answers] if isinstance(answers, str) else answers
-    return float(judge(c.text, answers).correct) if answers else 0.0
+    if not answers or len(set(stated_numbers(c.text))) > 1:
+        return 0.0
+    return float(judge(c.text, answers).correct)
 
 
 def stated(c: Completion) -> float:
-    return float(states_answer(c.text))
+    return float(len(stated_numbers(c.text)) == 1)
 
 
 def length(c: Completion) -> float:

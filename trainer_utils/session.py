@@ -91,7 +91,8 @@ class Session:
         ev = config.eval
         self.samples = read_prompt_file(shipped_path(ev.sample_prompts)) if ev.sample_prompts.lower() != "none" else []
         self.probes = read_probe_file(shipped_path(ev.probes)) if ev.probes and ev.probes.lower() != "none" else []
-        self.eval_tasks = load_tasks(ev.eval_tasks, ev.eval_task_items) if ev.eval_tasks else []
+        tasks = ev.eval_tasks if ev.eval_tasks and ev.eval_tasks.lower() != "none" else None
+        self.eval_tasks = load_tasks(tasks, ev.eval_task_items) if tasks else []
         self.tokenizer = Tokenizer(config.data.tokenizer or self._default_tokenizer())
         self._check_init_tokenizer()
         self.model_config = self._model_config(init_config)
