@@ -12,6 +12,7 @@ import serve_openai_api
 import train_distillation
 import train_dpo
 import train_full_sft
+import train_grpo
 import train_lora
 import train_pretrain
 import train_tokenizer
@@ -25,7 +26,7 @@ LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch", 
            for p in (ROOT / d).rglob("*.py")]
 ENTRY_POINTS = {"train_pretrain.py": train_pretrain.main, "train_full_sft.py": train_full_sft.main,
                 "train_lora.py": train_lora.main, "train_dpo.py": train_dpo.main,
-                "train_distillation.py": train_distillation.main,
+                "train_distillation.py": train_distillation.main, "train_grpo.py": train_grpo.main,
                 "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,
                 "dataset.inspect": inspect.main, "model": model_main.main,
                 "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main,
