@@ -167,3 +167,19 @@ def train_through_an_empty_step(argv: list[str], monkeypatch) -> dict:
                 "skipped": trainer.state.skipped, "records": strict_records(session.run_dir)}
     finally:
         session.backend.close()
+
+
+@pytest.fixture(scope="session")
+def reward_model(tmp_path_factory):
+    """A tiny random Llama sequence-classification model with this project's tokenizer: a reward model directory
+    as transformers writes one."""
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("reward_model")
+    tok = transformers.AutoTokenizer.from_pretrained(ROOT / "model/tokenizer")
+    config = transformers.LlamaConfig(vocab_size=6400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

@@ -106,6 +106,12 @@ def test_the_kl_to_the_start_model_lora_and_bf16(prompts, tmp_path, sft):
     assert all(r["skipped_steps"] == 0 for r in records if "skipped_steps" in r)
 
 
+def test_a_reward_model_directory_rewards_in_training(prompts, tmp_path, sft, reward_model):
+    assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, max_steps=2, reward=f"exact,{reward_model}=0.5")) == 0
+    first = read_metrics(tmp_path / "grpo")[0]
+    assert f"reward/{reward_model.name}" in first and first[f"reward/{reward_model.name}"] != 0
+
+
 def test_bad_prompts_and_settings_stop_with_a_message(prompts, tmp_path, sft, capsys):
     good = (prompts / "math.jsonl").read_text(encoding="utf-8").splitlines()
     bad = write_jsonl(tmp_path / "bad.jsonl", [*good[:3], '{"prompt": "What is 2 + 2?"}', "{not json", *good[3:8]])

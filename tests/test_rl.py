@@ -302,3 +302,34 @@ def test_keyed_rows_sample_the_same_completion_in_any_batch(policy, tokenizer):
     assert other.completions != alone.completions
     with pytest.raises(ValueError, match="2 row keys for 3 rows"):
         sample_rollouts(policy, prompts[1:], 3, 12, stop, tokenizer.pad_id, row_keys=keys[:2])
+
+
+def test_a_reward_model_directory_scores_the_chat_it_answers(reward_model):
+    """Its score of each completion, batched with padding, is what transformers gives the same chat alone."""
+    import transformers
+    [term] = parse_reward(f"{reward_model}=0.5")
+    assert (term.name, term.weight) == (reward_model.name, 0.5)
+    done = [Completion(text, 5, 40, {"prompt": "What is 7 + 5?", "answer": "12"})
+            for text in ("The answer is 12.", "12", "I do not know, but it could be thirteen or more.")]
+    got = term.fn(done)
+    tok = transformers.AutoTokenizer.from_pretrained(reward_model)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    for c, value in zip(done, got):
+        chat = [{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": c.text}]
+        ids = tok(tok.apply_chat_template(chat, tokenize=False), return_tensors="pt")
+        with torch.no_grad():
+            assert value == pytest.approx(model(**ids).logits[0, 0].item(), abs=1e-5)
+    assert len(set(got)) == 3
+    total, parts = score(parse_reward(f"exact,{reward_model}=0.5"), done)
+    assert total.tolist() == pytest.approx([1 + 0.5 * got[0], 1 + 0.5 * got[1], 0.5 * got[2]], abs=1e-5)
+
+
+def test_a_directory_that_is_no_reward_model_is_refused(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm/config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ConfigError, match="not a sequence-classification model"):
+        parse_reward(f"{tmp_path / 'lm'}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="cannot read its config.json"):
+        parse_reward(f"{tmp_path / 'empty'}")

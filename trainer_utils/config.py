@@ -195,8 +195,9 @@ class ObjectiveOptions:
                                             "'truncated'); prompts get --max_seq_len minus this", at_least=1,
                                         feature="reinforcement")
     reward: str = option("exact,format=0.1", "GRPO: the reward, weighted terms: exact (the record's answer), "
-                                             "format (the answer stated as taught), length, FILE.py:FUNCTION "
-                                             "(trainer_utils/rewards.py)", metavar="SPEC", feature="reinforcement")
+                                             "format (the answer stated as taught), length, FILE.py:FUNCTION, "
+                                             "a reward model's directory (trainer_utils/rewards.py)",
+                         metavar="SPEC", feature="reinforcement")
     scale_rewards: bool = option(True, "GRPO: divide each group's centred rewards by their standard deviation "
                                        "(--no-scale_rewards: Dr. GRPO's unscaled advantages)",
                                  feature="reinforcement")

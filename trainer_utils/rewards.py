@@ -14,13 +14,17 @@ A reward spec is a comma-separated list of terms, each optionally weighted: "exa
     FILE.py:FUNCTION
              the user's own: FUNCTION(completion: str, record: dict) -> float, where `record` is the prompt's
              JSON record (its "answer" and any other fields)
+    DIR      a Hugging Face sequence-classification model directory (a reward model you have locally, e.g.
+             MiniMind's InternLM2-1.8B-reward): its score of the prompt's chat answered by the completion (the
+             logit with one label, else the last label's probability); needs `transformers`
 
-The total is the weighted sum. Nothing here needs a second model: every term is computed from the text.
+The total is the weighted sum. Only a DIR term needs a second model: every other term is computed from the text.
 """
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +34,8 @@ import torch
 
 from common.answers import judge, stated_numbers
 from common.errors import ConfigError
+from common.files import require_package
+from dataset.jsonl import prompt_messages
 
 LENGTH_FREE = 0.5  # the share of the token budget a completion may use before the length term costs anything
 
@@ -46,6 +52,7 @@ class Completion:
 
 
 RewardFn = Callable[[Completion], float]
+BatchRewardFn = Callable[[Sequence[Completion]], list[float]]
 
 
 def exact(c: Completion) -> float:
@@ -70,11 +77,61 @@ BUILTIN: dict[str, RewardFn] = {"exact": exact, "format": stated, "length": leng
 
 @dataclass(frozen=True)
 class Term:
-    """One weighted term of a reward."""
+    """One weighted term of a reward: `fn` scores a batch of completions (a per-completion function is mapped)."""
 
     name: str
     weight: float
-    fn: RewardFn
+    fn: BatchRewardFn
+
+
+def each(fn: RewardFn) -> BatchRewardFn:
+    return lambda completions: [fn(c) for c in completions]
+
+
+class RewardModel:
+    """A Hugging Face sequence-classification model directory as a reward term (module docstring). Checked when
+    named; loaded on first use, on `device`, in eval mode; completions scored in batches of `batch_size`."""
+
+    def __init__(self, path: Path, device: torch.device | str = "cpu", batch_size: int = 16) -> None:
+        require_package("transformers", f"reward {path} (a reward model directory)")
+        try:
+            architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"reward {path}: cannot read its config.json ({e})") from None
+        if not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ConfigError(f"reward {path}: not a sequence-classification model (architectures: "
+                              f"{architectures or 'none'}); a reward model scores text with one output")
+        self.path, self.device, self.batch_size = path, torch.device(device), batch_size
+        self.model: Any = None
+
+    def _load(self) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True, trust_remote_code=True)
+        if self.tokenizer.pad_token is None:  # batches are padded; the model reads its score at the last token
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            self.path, local_files_only=True, trust_remote_code=True).to(self.device).eval()
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    def text(self, c: Completion) -> str:
+        """The prompt's chat answered by the completion, as the reward model's chat template writes it (its
+        turns on lines of their own when it has none)."""
+        chat = [*prompt_messages(c.record), {"role": "assistant", "content": c.text}]
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(chat, tokenize=False)
+        return "\n".join(m["content"] for m in chat)
+
+    @torch.no_grad()
+    def __call__(self, completions: Sequence[Completion]) -> list[float]:
+        if self.model is None:
+            self._load()
+        out: list[float] = []
+        for i in range(0, len(completions), self.batch_size):
+            texts = [self.text(c) for c in completions[i:i + self.batch_size]]
+            batch = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.device)
+            logits = self.model(**batch).logits.float()
+            out += (logits[:, 0] if logits.shape[-1] == 1 else logits.softmax(-1)[:, -1]).tolist()
+        return out
 
 
 def user_reward(spec: str) -> RewardFn:
@@ -97,7 +154,7 @@ def user_reward(spec: str) -> RewardFn:
     except TypeError:
         raise ConfigError(f"reward {spec}: {name} must take (completion: str, record: dict)") from None
 
-    def call(c: Completion) -> float:
+    def call(c: Completion) -> float:  # per completion: the user's function sees one at a time
         value = fn(c.text, c.record)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"reward {spec}: {name} returned {value!r}; a reward is a finite number")
@@ -105,8 +162,9 @@ def user_reward(spec: str) -> RewardFn:
     return call
 
 
-def parse_reward(spec: str) -> list[Term]:
-    """The terms of a reward spec (module docstring); ConfigError for an unknown term or a bad weight."""
+def parse_reward(spec: str, device: torch.device | str = "cpu") -> list[Term]:
+    """The terms of a reward spec (module docstring); ConfigError for an unknown term or a bad weight. A reward
+    model runs on `device`."""
     terms = []
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -119,11 +177,14 @@ def parse_reward(spec: str) -> list[Term]:
         if not math.isfinite(weight):
             raise ConfigError(f"reward {part}: the weight must be finite")
         if name in BUILTIN:
-            terms.append(Term(name, weight, BUILTIN[name]))
+            terms.append(Term(name, weight, each(BUILTIN[name])))
         elif ".py:" in name:
-            terms.append(Term(name.rpartition(":")[2], weight, user_reward(name)))
+            terms.append(Term(name.rpartition(":")[2], weight, each(user_reward(name))))
+        elif Path(name).is_dir():
+            terms.append(Term(Path(name).name, weight, RewardModel(Path(name), device)))
         else:
-            raise ConfigError(f"reward {name}: unknown; built in: {', '.join(BUILTIN)}, or FILE.py:FUNCTION")
+            raise ConfigError(f"reward {name}: unknown; built in: {', '.join(BUILTIN)}, FILE.py:FUNCTION, or a "
+                              "reward model's directory")
     if not terms:
         raise ConfigError("a reward spec names no term")
     return terms
@@ -131,7 +192,7 @@ def parse_reward(spec: str) -> list[Term]:
 
 def score(terms: Sequence[Term], completions: Sequence[Completion]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the total reward of each completion, each term's unweighted values), as float32 tensors."""
-    parts = {t.name: torch.tensor([t.fn(c) for c in completions], dtype=torch.float32) for t in terms}
+    parts = {t.name: torch.tensor(t.fn(completions), dtype=torch.float32) for t in terms}
     total = sum((t.weight * parts[t.name] for t in terms), torch.zeros(len(completions)))
     return total, parts
 

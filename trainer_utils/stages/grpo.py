@@ -90,7 +90,7 @@ class Rollouts:
     def __init__(self, trainer: Trainer) -> None:
         s = trainer.session
         o = s.config.objective
-        self.terms = parse_reward(o.reward)
+        self.terms = parse_reward(o.reward, trainer.device)
         self.group, self.budget, self.temperature = o.num_generations, o.max_completion_tokens, o.temperature
         self.tokenizer, self.stop_ids = s.tokenizer, s.tokenizer.stop_ids(chat=True)
         self.reference = None
