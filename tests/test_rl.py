@@ -27,8 +27,9 @@ class Logits(torch.nn.Module):
         torch.manual_seed(0)
         self.logits = torch.nn.Parameter(torch.randn(B, T, V))
 
-    def forward(self, x: torch.Tensor, return_router: bool = False):
-        return (self.logits, None) if return_router else self.logits
+    def forward(self, x: torch.Tensor, return_router: bool = False, logits_at: torch.Tensor | None = None):
+        logits = self.logits if logits_at is None else self.logits[logits_at]
+        return (logits, None) if return_router else logits
 
 
 def batch(policy: Logits, old_shift: torch.Tensor | float = 0.0, advantages=(1.0, -1.0), reference=None):

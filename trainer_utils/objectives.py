@@ -210,15 +210,17 @@ class PolicyGradient(Objective):
         return (batch[1] != IGNORE_INDEX).sum()
 
     def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
-        x, y, old, advantage = batch[0], batch[1], batch[2].float(), batch[3].float()[:, None]
-        with autocast():
-            logits, router = trained_forward(forward, x)
+        x, y = batch[0], batch[1]
+        valid = y != IGNORE_INDEX
+        with autocast():  # the vocabulary projection only where a completion token is predicted
+            logits, router = forward(x, return_router=True, logits_at=valid)
+        # every per-token quantity below is over the (n,) completion tokens, in row-major order
+        targets, old = y[valid], batch[2].float()[valid]
+        advantage = batch[3].float()[:, None].expand_as(y)[valid]
         # one log-softmax serves the targets' log-probs and the logged entropy
         logprobs = F.log_softmax(logits.float() / self.temperature, dim=-1)
-        valid = y != IGNORE_INDEX
-        logp = torch.where(valid, logprobs.gather(-1, y.clamp(min=0)[..., None])[..., 0], 0.0)
-        mask = valid.float()
-        ratio = torch.exp((logp - old) * mask)  # 1 at ignored positions (their log-probs are 0 either way)
+        logp = logprobs.gather(-1, targets[:, None])[:, 0]
+        ratio = torch.exp(logp - old)
         high = 1 + self.epsilon_high
         if self.loss_type == "grpo":
             clipped = torch.clamp(ratio, 1 - self.epsilon, high) * advantage
@@ -227,15 +229,15 @@ class PolicyGradient(Objective):
         else:
             per_token = -torch.clamp(ratio, max=high).detach() * advantage * logp
             was_clipped = ratio > high
-        metrics = {"clip_frac": (was_clipped.float() * mask).sum(), "ratio": (ratio * mask).sum()}
+        metrics = {"clip_frac": was_clipped.float().sum(), "ratio": ratio.sum()}
         if self.beta > 0:
-            r = (batch[4].float() - logp) * mask
+            r = batch[4].float()[valid] - logp
             kl = torch.exp(r) - r - 1
             per_token = per_token + self.beta * kl
-            metrics["kl"] = (kl * mask).sum()
+            metrics["kl"] = kl.sum()
         with torch.no_grad():
-            metrics["entropy"] = (-(logprobs.exp() * logprobs).sum(-1) * mask).sum()
-        return StepOutput((per_token * mask).sum(), {k: v.detach() for k, v in metrics.items()}, router)
+            metrics["entropy"] = -(logprobs.exp() * logprobs).sum()
+        return StepOutput(per_token.sum(), {k: v.detach() for k, v in metrics.items()}, router)
 
 
 @torch.no_grad()

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from common.errors import ConfigError
+from common.tokens import IGNORE_INDEX
 from dataset.config import PROMPTS, DataConfig
 from model.checkpoint import load_model
 
 from ..components.base import every
-from ..objectives import Objective, PolicyGradient, token_log_probs
+from ..objectives import Autocast, Objective, PolicyGradient
 from ..rewards import Completion, group_advantages, parse_reward, score
 from ..rollouts import sample_rollouts
 from .base import Stage, StepBatches
@@ -119,9 +120,7 @@ class Rollouts:
             advantages = group_advantages(total, self.group, trainer.config.objective.scale_rewards)
             batch = (r.inputs, r.targets, r.old_log_probs, advantages.to(device))
             if self.reference is not None:
-                with trainer.precision.autocast():
-                    logits = self.reference(r.inputs)
-                batch = (*batch, token_log_probs(logits.float() / self.temperature, r.targets))
+                batch = (*batch, self.reference_log_probs(r.targets, r.inputs, trainer.precision.autocast))
             micro.append(batch)
             input_tokens += sum(len(p) for p in prompts) * self.group + sum(len(c) for c in r.completions)
             groups = total.view(-1, self.group)
@@ -136,6 +135,15 @@ class Rollouts:
             trainer.logger.log_rows("rollouts", number + 1, logged)
         metrics = {k: torch.tensor(float(v), device=device, dtype=torch.float64) for k, v in sums.items()}
         return StepBatches(micro, input_tokens, metrics)
+
+    def reference_log_probs(self, targets: torch.Tensor, inputs: torch.Tensor, autocast: Autocast) -> torch.Tensor:
+        """The frozen reference's log-probability of each target at the sampling temperature (0 elsewhere)."""
+        valid = targets != IGNORE_INDEX
+        with autocast():
+            logits = self.reference(inputs, logits_at=valid)
+        out = torch.zeros(targets.shape, device=targets.device)
+        out[valid] = torch.log_softmax(logits.float() / self.temperature, -1).gather(-1, targets[valid][:, None])[:, 0]
+        return out
 
 
 def add(sums: dict[str, float], **values: Any) -> None:
