@@ -196,6 +196,10 @@ def test_grpo_under_ddp(corpus, tmp_path):
     wa, wb = weights(tmp_path / "single"), weights(tmp_path / "ddp")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=0)
+    if importlib.util.find_spec("deepspeed") is not None:  # rollouts from the engine's module, then resumed
+        torchrun(2, args(corpus, tmp_path, "ds", batch_size=2, **{**post, "max_steps": 2}) + DS_BF16, "train_grpo.py")
+        torchrun(2, args(corpus, tmp_path, "ds", batch_size=2, resume=True, **post) + DS_BF16, "train_grpo.py")
+        assert [m["step"] for m in read_metrics(tmp_path / "ds")] == [1, 2, 3, 4]
 
 
 def test_deepspeed_launcher_and_plain_python(corpus, tmp_path):

@@ -94,16 +94,17 @@ def test_grpo_resumes_bit_exactly(prompts, tmp_path, sft, monkeypatch):
     assert [r["reward"] for r in straight] == [r["reward"] for r in resumed]
 
 
-def test_the_kl_to_the_start_model_lora_and_bf16(prompts, tmp_path, sft):
+def test_the_kl_to_the_start_model_lora_and_reduced_precision(prompts, tmp_path, sft):
     assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, max_steps=3, beta=0.05)) == 0
     kl = [r["kl"] for r in read_metrics(tmp_path / "grpo")]
     assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 0  # the policy starts as its reference, then moves
     assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, "lora", max_steps=2, lora_rank=4, beta=0.05)) == 0
     ckpt = tmp_path / "lora" / (tmp_path / "lora/latest").read_text().strip()
     assert (ckpt / "lora.json").is_file()
-    assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, "bf16", max_steps=2, dtype="bfloat16")) == 0
-    records = strict_records(tmp_path / "bf16")
-    assert all(r["skipped_steps"] == 0 for r in records if "skipped_steps" in r)
+    for dtype in ("bfloat16", "float16"):  # rollouts under the run's autocast; fp16 steps through the loss scaler
+        assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, dtype, max_steps=2, dtype=dtype)) == 0
+        records = [r for r in strict_records(tmp_path / dtype) if "skipped_steps" in r]
+        assert records and all(r["skipped_steps"] == 0 and r["loss"] is not None for r in records)
 
 
 def test_a_reward_model_directory_rewards_in_training(prompts, tmp_path, sft, reward_model):
