@@ -7,7 +7,8 @@ expect). A completion ends at a stop token, which it keeps (the policy learns to
 the completion's tokens only (IGNORE_INDEX over the prompt and the padding), and the sampling policy's
 log-probability of each target (for the importance ratio), as the sampler computed it while drawing: no second
 forward, and the ratio then measures what differs between the sampler's arithmetic and the trained forward's
-(a KV-cached decode against a full forward, in the training precision).
+(a KV-cached decode against a full forward, in the training precision). The rows are padded to a multiple of
+SHAPE_STEP tokens (objectives.py says why).
 
 Rows may be given keys: row r's random numbers are then seeded by its key alone, so its completion depends on
 (key, weights, prompt), never on the batch it was decoded in or on a global generator's state. The GRPO stage
@@ -26,7 +27,7 @@ import torch
 from common.tokens import IGNORE_INDEX
 from model.generate import generate
 
-from .objectives import Autocast
+from .objectives import SHAPE_STEP, Autocast
 
 
 def keyed_uniforms(keys: Sequence[Sequence[int]], count: int, device: torch.device | str) -> torch.Tensor:
@@ -72,6 +73,7 @@ def sample_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]], gr
                                uniforms=uniforms, log_probs=sampled_log_probs)
     truncated = [not c or c[-1] not in stop_ids for c in completions]
     width = max(len(prompts[i]) + len(c) for i, c in zip(rows, completions)) - 1
+    width = -(-width // SHAPE_STEP) * SHAPE_STEP
     inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     old = torch.zeros((len(rows), width), dtype=torch.float32)

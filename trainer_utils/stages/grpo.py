@@ -31,7 +31,7 @@ from dataset.config import PROMPTS, DataConfig
 from model.checkpoint import load_model
 
 from ..components.base import every
-from ..objectives import Autocast, Objective, PolicyGradient
+from ..objectives import VOCAB_ROWS_STEP, Autocast, Objective, PolicyGradient, padded_selection
 from ..rewards import Completion, group_advantages, parse_reward, score
 from ..rollouts import sample_rollouts
 from .base import Stage, StepBatches
@@ -139,8 +139,9 @@ class Rollouts:
     def reference_log_probs(self, targets: torch.Tensor, inputs: torch.Tensor, autocast: Autocast) -> torch.Tensor:
         """The frozen reference's log-probability of each target at the sampling temperature (0 elsewhere)."""
         valid = targets != IGNORE_INDEX
+        projected = padded_selection(valid, VOCAB_ROWS_STEP)
         with autocast():
-            logits = self.reference(inputs, logits_at=valid)
+            logits = self.reference(inputs, logits_at=projected)[valid[projected]]
         out = torch.zeros(targets.shape, device=targets.device)
         out[valid] = torch.log_softmax(logits.float() / self.temperature, -1).gather(-1, targets[valid][:, None])[:, 0]
         return out
