@@ -3,8 +3,9 @@
     python scripts/plot_metrics.py out/<run> [--out loss.png] [--smooth 0.9]
 
 Top panel: train loss (faint), its smoothed curve and validation loss points (the legend gives the last
-validation bits per byte, when logged); then, for a run with --eval_tasks, each task's chance-centred accuracy
-and their average; bottom panel: learning rate.
+validation bits per byte, when logged), and for a reinforcement-learning run its mean reward on a second axis
+(a policy loss says little of progress; the reward does); then, for a run with --eval_tasks, each task's
+chance-centred accuracy and their average; bottom panel: learning rate.
 Lines that are not JSON objects with a numeric "step" are skipped and counted. When a resumed run logs a
 step again, the later line wins, so the curve shows the run as it continued.
 """
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 METRICS_NAME = "metrics.jsonl"
-SERIES = ("loss", "val_loss", "val_bpb", "lr")
+SERIES = ("loss", "val_loss", "val_bpb", "lr", "reward")
 
 
 def is_number(value: object) -> bool:
@@ -111,7 +112,13 @@ def plot(series: dict[str, dict[float, float]], out: Path, title: str, weight: f
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.set_title(title)
     ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
+    ax_loss.legend(loc="upper left")
+    reward = series.get("reward")
+    if reward:
+        ax_reward = ax_loss.twinx()
+        ax_reward.plot(list(reward), list(reward.values()), color="tab:red", linewidth=1.5, label="mean reward")
+        ax_reward.set_ylabel("reward", color="tab:red")
+        ax_reward.legend(loc="upper right")
     if lr:
         ax_lr.plot(list(lr), list(lr.values()), color="tab:green")
     ax_lr.set_ylabel("learning rate")

@@ -701,3 +701,7 @@ def test_plot_metrics_draws_the_task_scores(tmp_path):
     # ranked choices by their centred accuracy, a generation task by its exact matches (chance 0)
     assert plot_metrics.task_panel(series) == {"average": {2: 0.07}, "arc_easy": {2: 0.07}, "gsm8k": {2: 0.02}}
     assert plot_metrics.main([str(tmp_path)]) == 0 and (tmp_path / "loss.png").stat().st_size > 0
+    # a GRPO run's mean reward is read too (drawn on the loss panel's second axis)
+    write_jsonl(tmp_path / "metrics.jsonl", [*records, {"step": 4, "loss": 0.01, "reward": 0.4, "lr": 1e-4}])
+    assert plot_metrics.read_metrics(tmp_path / "metrics.jsonl")[0]["reward"] == {4: 0.4}
+    assert plot_metrics.main([str(tmp_path)]) == 0
