@@ -124,6 +124,8 @@ class Rollouts:
             micro.append(batch)
             input_tokens += sum(len(p) for p in prompts) * self.group + sum(len(c) for c in r.completions)
             groups = total.view(-1, self.group)
+            # sums; the log divides each by its metric_unit: rollout_tokens_per_s is the tokens sampled, over the
+            # seconds this hook took (sampling, scoring and the reference's pass)
             add(sums, reward=total.sum(), completions=len(completions), groups=groups.shape[0],
                 reward_std=groups.std(dim=1, unbiased=False).sum(), truncated=sum(r.truncated),
                 completion_tokens=sum(c.tokens for c in completions), rollout_tokens_per_s=sum(
