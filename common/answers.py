@@ -55,11 +55,6 @@ def stated_numbers(text: str) -> list[str]:
     return [normalize_number(m.strip()) for m in re.findall(STRICT_NUMBER, text)]
 
 
-def states_answer(text: str) -> bool:
-    """Whether the text states a number in the taught format ("... the answer is 12", "#### 12", "答案是 12")."""
-    return find_number(text, STRICT_NUMBER) is not None
-
-
 def normalize_number(text: str) -> str:
     """A number as the harness compares it: REGEXES_TO_IGNORE removed in turn, lower-cased."""
     for pattern in REGEXES_TO_IGNORE:

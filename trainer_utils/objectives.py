@@ -190,10 +190,20 @@ def padded_selection(valid: torch.Tensor, step: int) -> torch.Tensor:
     """`valid` (a bool mask) with the first ignored positions added, so that it selects a multiple of `step`
     positions (all of them at most)."""
     flat = valid.flatten()
-    extra = (-int(flat.sum())) % step
+    chosen = int(flat.sum())
+    extra = min((-chosen) % step, flat.numel() - chosen)
     free = ~flat
-    extra = min(extra, int(free.sum()))
     return (flat | (free & (free.cumsum(0) <= extra))).view_as(valid)
+
+
+def completion_logits(model: torch.nn.Module, x: torch.Tensor, valid: torch.Tensor, autocast: Autocast
+                      ) -> tuple[torch.Tensor, RouterStats | None]:
+    """The logits where `valid` (n, vocab, row-major) and the routers' statistics: the vocabulary projection
+    runs at those positions only, padded to a multiple of VOCAB_ROWS_STEP rows."""
+    projected = padded_selection(valid, VOCAB_ROWS_STEP)
+    with autocast():
+        logits, router = model(x, return_router=True, logits_at=projected)
+    return logits[valid[projected]], router
 
 
 class PolicyGradient(Objective):
@@ -227,10 +237,7 @@ class PolicyGradient(Objective):
     def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
         x, y = batch[0], batch[1]
         valid = y != IGNORE_INDEX
-        projected = padded_selection(valid, VOCAB_ROWS_STEP)
-        with autocast():  # the vocabulary projection only where a completion token is predicted (and padding)
-            logits, router = forward(x, return_router=True, logits_at=projected)
-        logits = logits[valid[projected]]
+        logits, router = completion_logits(forward, x, valid, autocast)
         # every per-token quantity below is over the (n,) completion tokens, in row-major order
         targets, old = y[valid], batch[2].float()[valid]
         advantage = batch[3].float()[:, None].expand_as(y)[valid]

@@ -37,6 +37,12 @@ from .runtime import Precision, seed_everything, wider_dtype
 from .stages import Stage, get_stage
 
 
+def is_on(setting: str | None) -> bool:
+    """Whether an optional file or list setting names something: not unset, and not 'none' (which turns off a
+    recipe's value from the command line)."""
+    return bool(setting) and setting.lower() != "none"
+
+
 def check_resumed_model(options: ModelOptions, saved: ModelConfig, run_dir: Path) -> None:
     """ConfigError when model flags given with --resume describe another model than the run being resumed
     (they cannot take effect). Flags that agree with it are fine: Slurm requeues repeat the whole command."""
@@ -89,10 +95,9 @@ class Session:
 
         # prompt files are read now: a missing or malformed one must not wait for the first evaluation
         ev = config.eval
-        self.samples = read_prompt_file(shipped_path(ev.sample_prompts)) if ev.sample_prompts.lower() != "none" else []
-        self.probes = read_probe_file(shipped_path(ev.probes)) if ev.probes and ev.probes.lower() != "none" else []
-        tasks = ev.eval_tasks if ev.eval_tasks and ev.eval_tasks.lower() != "none" else None
-        self.eval_tasks = load_tasks(tasks, ev.eval_task_items) if tasks else []
+        self.samples = read_prompt_file(shipped_path(ev.sample_prompts)) if is_on(ev.sample_prompts) else []
+        self.probes = read_probe_file(shipped_path(ev.probes)) if is_on(ev.probes) else []
+        self.eval_tasks = load_tasks(ev.eval_tasks, ev.eval_task_items) if is_on(ev.eval_tasks) else []
         self.tokenizer = Tokenizer(config.data.tokenizer or self._default_tokenizer())
         self._check_init_tokenizer()
         self.model_config = self._model_config(init_config)

@@ -31,7 +31,7 @@ from dataset.config import PROMPTS, DataConfig
 from model.checkpoint import load_model
 
 from ..components.base import every
-from ..objectives import VOCAB_ROWS_STEP, Autocast, Objective, PolicyGradient, padded_selection
+from ..objectives import Autocast, Objective, PolicyGradient, completion_logits
 from ..rewards import Completion, group_advantages, parse_reward, score
 from ..rollouts import sample_rollouts
 from .base import Stage, StepBatches
@@ -73,8 +73,8 @@ class GRPO(Stage):
         o = session.config.objective
         return PolicyGradient(o.loss_type, o.epsilon, o.epsilon_high, o.beta, o.temperature)
 
-    def prepare(self, trainer: Trainer) -> Rollouts:
-        return Rollouts(trainer)
+    def prepare(self, trainer: Trainer) -> RolloutSampler:
+        return RolloutSampler(trainer)
 
     def before_loss(self, trainer: Trainer, step: StepBatches) -> StepBatches:
         return trainer.stage_state.sample(trainer, step)
@@ -85,7 +85,7 @@ class GRPO(Stage):
         return {"reward_std": "groups", "rollout_tokens_per_s": "rollout_s"}.get(name)
 
 
-class Rollouts:
+class RolloutSampler:
     """A GRPO run's sampler: the reward's terms, the frozen reference (--beta > 0), and the step's batches."""
 
     def __init__(self, trainer: Trainer) -> None:
@@ -122,14 +122,15 @@ class Rollouts:
             if self.reference is not None:
                 batch = (*batch, self.reference_log_probs(r.targets, r.inputs, trainer.precision.autocast))
             micro.append(batch)
-            input_tokens += sum(len(p) for p in prompts) * self.group + sum(len(c) for c in r.completions)
+            sampled = sum(c.tokens for c in completions)
+            input_tokens += sum(len(p) for p in prompts) * self.group + sampled
             groups = total.view(-1, self.group)
             # sums; the log divides each by its metric_unit: rollout_tokens_per_s is the tokens sampled, over the
             # seconds this hook took (sampling, scoring and the reference's pass)
             add(sums, reward=total.sum(), completions=len(completions), groups=groups.shape[0],
                 reward_std=groups.std(dim=1, unbiased=False).sum(), truncated=sum(r.truncated),
-                completion_tokens=sum(c.tokens for c in completions), rollout_tokens_per_s=sum(
-                    c.tokens for c in completions), **{f"reward/{k}": v.sum() for k, v in parts.items()})
+                completion_tokens=sampled, rollout_tokens_per_s=sampled,
+                **{f"reward/{k}": v.sum() for k, v in parts.items()})
             if not logged:
                 logged = rollout_rows(completions, total, parts, self.group, s.train_data, indices)
         add(sums, rollout_s=time.perf_counter() - t0)
@@ -141,9 +142,7 @@ class Rollouts:
     def reference_log_probs(self, targets: torch.Tensor, inputs: torch.Tensor, autocast: Autocast) -> torch.Tensor:
         """The frozen reference's log-probability of each target at the sampling temperature (0 elsewhere)."""
         valid = targets != IGNORE_INDEX
-        projected = padded_selection(valid, VOCAB_ROWS_STEP)
-        with autocast():
-            logits = self.reference(inputs, logits_at=projected)[valid[projected]]
+        logits, _ = completion_logits(self.reference, inputs, valid, autocast)
         out = torch.zeros(targets.shape, device=targets.device)
         out[valid] = torch.log_softmax(logits.float() / self.temperature, -1).gather(-1, targets[valid][:, None])[:, 0]
         return out
