@@ -296,8 +296,9 @@ def test_keyed_rows_sample_the_same_completion_in_any_batch(policy, tokenizer):
     assert both.completions[3:] == alone.completions
     assert len({tuple(c) for c in alone.completions}) > 1  # the group's members differ
     wanted = both.targets[3:] != IGNORE_INDEX
+    # other batch shapes round fp32 differently, by a CPU-dependent few parts per million (1.4e-6 seen on AVX2)
     torch.testing.assert_close(both.old_log_probs[3:][wanted], alone.old_log_probs[alone.targets != IGNORE_INDEX],
-                               atol=1e-5, rtol=0)
+                               atol=1e-5, rtol=1e-5)
     other = sample_rollouts(policy, prompts[1:], 3, 12, stop, tokenizer.pad_id, row_keys=[(8, 0, 1, g) for g in
                                                                                            range(3)])
     assert other.completions != alone.completions
