@@ -133,7 +133,9 @@ def validate_text(record: dict[str, Any]) -> None:
 
 
 def validate_messages(messages: Any, name: str, where: str = "") -> None:
-    """A non-empty list of {"role", "content"} turns with known roles and string content.
+    """A non-empty list of {"role", "content"} turns with known roles and string content; for tool use, an
+    assistant turn's "tool_calls" (then its content may be null) and "reasoning_content", and a first system
+    turn's "tools". MiniMind's records hold tools and tool calls as JSON strings: parsed here, in place.
 
     `where` prefixes the per-turn messages (e.g. '"chosen" '), so a preference pair names the list at fault.
     """
@@ -146,8 +148,34 @@ def validate_messages(messages: Any, name: str, where: str = "") -> None:
             raise ValueError(f"{where}turn {i} must be an object, got {type(turn).__name__}")
         if turn.get("role") not in CHAT_ROLES:
             raise ValueError(f"{where}turn {i} has unknown role {turn.get('role')!r}; expected one of {CHAT_ROLES}")
+        for key in ("tools", "tool_calls"):
+            if isinstance(turn.get(key), str):
+                try:
+                    turn[key] = json.loads(turn[key])
+                except json.JSONDecodeError as e:
+                    raise ValueError(f'{where}turn {i} "{key}" is a string but not JSON ({e.msg})') from None
+        calls = turn.get("tool_calls")
+        if calls is not None and not (turn["role"] == "assistant" and isinstance(calls, list)
+                                      and all(tool_call_ok(c) for c in calls)):
+            raise ValueError(f'{where}turn {i} "tool_calls" must be an assistant turn\'s list of {{"name": str, '
+                             '"arguments": object or JSON string}} (optionally inside "function")')
+        if turn.get("content") is None and calls:
+            turn["content"] = ""  # OpenAI's null content beside tool calls
         if not isinstance(turn.get("content"), str):
             raise ValueError(f'{where}turn {i} "content" must be a string, got {type(turn.get("content")).__name__}')
+        if not isinstance(turn.get("reasoning_content", ""), str):
+            raise ValueError(f'{where}turn {i} "reasoning_content" must be a string')
+        tools = turn.get("tools")
+        if tools is not None and not (i == 0 and turn["role"] == "system" and isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f'{where}turn {i} "tools" must be a list of objects on the first, system turn')
+
+
+def tool_call_ok(call: Any) -> bool:
+    """A tool call the chat template can write: {"name", "arguments"}, or OpenAI's {"function": {...}}."""
+    call = call.get("function", call) if isinstance(call, dict) else None
+    return (isinstance(call, dict) and isinstance(call.get("name"), str) and bool(call["name"])
+            and isinstance(call.get("arguments"), (dict, str)))
 
 
 def validate_conversations(record: dict[str, Any]) -> None:

@@ -7,6 +7,13 @@ literal string "<|im_end|>" cannot forge chat structure.
 
 The chat template stored in tokenizer_config.json renders the same text; for ordinary content
 `transformers`' apply_chat_template yields exactly the ids `encode_chat` trains on (tested).
+
+Tool calls and thinking (the format of MiniMind's and Qwen's templates, for their data): `tools` (JSON function
+signatures) join the system turn inside <tools></tools>; an assistant turn is its optional `reasoning_content`
+as <think>...</think>, then its content, then each of its `tool_calls` as <tool_call>{"name", "arguments"}
+</tool_call>, all of it trained on; consecutive `tool` messages return as one user turn of <tool_response>
+blocks, never trained on. A conversation without these renders exactly as plain ChatML. These markers are
+ordinary text to the tokenizer.
 """
 from __future__ import annotations
 
@@ -21,14 +28,113 @@ from common.files import DEFAULT_TOKENIZER_DIR
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in tokenizers trained here
 
+THINK = ("<think>\n", "\n</think>\n\n")  # around an assistant turn's reasoning_content
+TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_INSTRUCTION = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                     "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                     "\"arguments\": <args-json-object>}\n</tool_call>")
+# The generation prompt's opening of the answer, by enable_thinking: None (a model never taught to think) adds
+# nothing; True opens a <think> block; False closes an empty one (a thinking model told to answer directly).
+THINKING_PROMPT = {None: "", True: "<think>\n", False: "<think>\n\n</think>\n\n"}
+
+
+def _jinja(text: str) -> str:
+    """A Python string as the inside of a single-quoted Jinja literal."""
+    return json.dumps(text, ensure_ascii=False)[1:-1].replace("'", "\\'")
+
+
 # ChatML. Content is trimmed so that the "\n" after the role always ends a pre-token: the label boundary
-# between header and content is then also a token boundary, in both this code and transformers.
+# between header and content is then also a token boundary, in both this code and transformers. The tool and
+# thinking branches mirror chat_turns() below line for line (parity with transformers is tested).
 CHAT_TEMPLATE = (
+    "{%- set ns = namespace(prev='', body='') %}"
+    "{%- set tools = tools or (messages[0]['tools'] if messages and messages[0]['role'] == 'system' "
+    "and messages[0]['tools'] is defined else none) %}"
+    "{%- if tools %}"
+    "{%- set system = messages[0]['content'] | trim if messages[0]['role'] == 'system' else '' %}"
+    "{{- '<|im_start|>system\\n' + ((system + '\\n\\n') if system else '') + '" + _jinja(TOOLS_PREAMBLE) + "' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '" + _jinja(TOOLS_INSTRUCTION) + "<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' + '\\n' }}"
+    "{%- set content = (message['content'] or '') | trim %}"
+    "{%- if loop.first and tools and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- ('\\n' if ns.prev == 'tool' else '<|im_start|>user\\n') + '<tool_response>\\n' + content "
+    "+ '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- set ns.body = content %}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set call = call['function'] if call['function'] is defined else call %}"
+    "{%- set args = call['arguments'] if call['arguments'] is string else call['arguments'] | tojson %}"
+    "{%- set ns.body = ns.body + ('\\n' if ns.body else '') + '<tool_call>\\n{\"name\": \"' + call['name'] "
+    "+ '\", \"arguments\": ' + args + '}\\n</tool_call>' %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- set think = ('" + _jinja(THINK[0]) + "' + message['reasoning_content'] | trim + '" + _jinja(THINK[1]) + "') "
+    "if message['reasoning_content'] is string else '' %}"
+    "{{- '<|im_start|>assistant\\n' + (think + ns.body) | trim + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns.prev = message['role'] %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is true %}{{- '" + _jinja(THINKING_PROMPT[True]) + "' }}"
+    "{%- elif enable_thinking is false %}{{- '" + _jinja(THINKING_PROMPT[False]) + "' }}{%- endif %}"
+    "{%- endif %}"
 )
+
+
+Message = dict[str, Any]  # {"role", "content"}, and for tool use "tool_calls", "reasoning_content", "tools"
+
+
+def tool_call_text(call: dict[str, Any]) -> str:
+    """One tool call as the assistant writes it: an OpenAI {"function": {"name", "arguments"}} or a bare
+    {"name", "arguments"}, arguments an object or a JSON string (kept as written)."""
+    call = call.get("function", call)
+    args = call["arguments"]
+    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return '<tool_call>\n{"name": "' + call["name"] + '", "arguments": ' + args + "}\n</tool_call>"
+
+
+def chat_turns(messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[tuple[str, str, int]]:
+    """The ChatML turns a conversation renders to: (role, content, how many messages the turn holds).
+
+    `tools` default to a first system message's "tools" (MiniMind's records carry them there). Contents are
+    trimmed; an assistant turn is <think>reasoning</think>, content and tool calls; a run of tool messages is one
+    user turn of <tool_response> blocks. The synthesised tools system turn counts with the first message's.
+    """
+    messages = list(messages)
+    first_system = bool(messages) and messages[0]["role"] == "system"
+    tools = tools or (messages[0].get("tools") if first_system else None)
+    turns: list[list[Any]] = []
+    if tools:
+        system = messages[0]["content"].strip() if first_system else ""
+        turns.append(["system", (system + "\n\n" if system else "") + TOOLS_PREAMBLE
+                      + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_INSTRUCTION,
+                      int(first_system)])
+        messages = messages[int(first_system):]
+    previous = None
+    for m in messages:
+        content = (m.get("content") or "").strip()
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if previous == "tool":
+                turns[-1][1] += "\n" + block
+                turns[-1][2] += 1
+            else:
+                turns.append(["user", block, 1])
+        elif m["role"] == "assistant":
+            body = "\n".join(([content] if content else []) + [tool_call_text(c) for c in m.get("tool_calls") or []])
+            reasoning = m.get("reasoning_content")
+            think = THINK[0] + reasoning.strip() + THINK[1] if isinstance(reasoning, str) else ""
+            turns.append(["assistant", (think + body).strip(), 1])
+        else:
+            turns.append([m["role"], content, 1])
+        previous = m["role"]
+    return [(role, content, count) for role, content, count in turns]
 
 
 class Tokenizer:
@@ -78,42 +184,47 @@ class Tokenizer:
                                  "(--tokenizer DIR)")
 
     # ------------------------------------------------------------------------ chat
-    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+                    tools: Sequence[dict] | None = None, enable_thinking: bool | None = None) -> str:
         """The text CHAT_TEMPLATE produces (for display and for comparison with transformers)."""
-        text = "".join(f"{IM_START}{m['role']}\n{m['content'].strip()}{IM_END}\n" for m in messages)
-        return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+        text = "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content, _ in chat_turns(messages, tools))
+        return text + (f"{IM_START}assistant\n{THINKING_PROMPT[enable_thinking]}" if add_generation_prompt else "")
 
-    def encode_chat(self, messages: Sequence[dict[str, str]],
-                    add_generation_prompt: bool = False) -> tuple[list[int], list[bool], list[int]]:
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+                    tools: Sequence[dict] | None = None, enable_thinking: bool | None = None
+                    ) -> tuple[list[int], list[bool], list[int]]:
         """(ids, labelled, turn_ends): labelled marks assistant content tokens and their <|im_end|>.
 
-        turn_ends[i] is the length of ids after turn i, so callers can truncate at turn boundaries.
+        turn_ends[i] is the length of ids after message i's turn (consecutive tool messages share one), so
+        callers can truncate at turn boundaries.
         """
         ids: list[int] = []
         labelled: list[bool] = []
         turn_ends: list[int] = []
+        turns = chat_turns(messages, tools)
         # Header and content are encoded as one piece (as transformers does between special tokens), with
         # offsets to tell which tokens belong to the content.
-        pieces = [f"{m['role']}\n{m['content'].strip()}" for m in messages]
+        pieces = [f"{role}\n{content}" for role, content, _ in turns]
         encodings = self._tok.encode_batch(pieces, add_special_tokens=False)
-        for m, piece, enc in zip(messages, pieces, encodings):
-            content_start = len(piece) - len(m["content"].strip())
-            is_assistant = m["role"] == "assistant"
+        for (role, content, count), piece, enc in zip(turns, pieces, encodings):
+            content_start = len(piece) - len(content)
+            is_assistant = role == "assistant"
             ids.append(self.im_start_id)
             labelled.append(False)
             ids.extend(enc.ids)
             labelled.extend(is_assistant and start >= content_start for start, _ in enc.offsets)
             ids.extend((self.im_end_id, self.newline_id))
             labelled.extend((is_assistant, False))
-            turn_ends.append(len(ids))
+            turn_ends.extend([len(ids)] * count)
         if add_generation_prompt:
-            ids.extend([self.im_start_id] + self.encode("assistant\n"))
+            ids.extend([self.im_start_id] + self.encode("assistant\n" + THINKING_PROMPT[enable_thinking]))
             labelled.extend([False] * (len(ids) - len(labelled)))
         return ids, labelled, turn_ends
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None,
+                    enable_thinking: bool | None = None) -> list[int]:
         """Ids of a conversation followed by the assistant header, ready for generation."""
-        return self.encode_chat(messages, add_generation_prompt=True)[0]
+        return self.encode_chat(messages, True, tools, enable_thinking)[0]
 
     def stop_ids(self, chat: bool) -> list[int]:
         """Where generation ends: a chat answer at <|im_end|> (or a document end), raw text at <|endoftext|>."""

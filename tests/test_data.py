@@ -268,6 +268,27 @@ def test_sft_targets_are_the_assistant_answers(tmp_path, tokenizer):
         assert y[0, t].item() == (ids[t + 1] if labelled[t + 1] else IGNORE_INDEX)
 
 
+def test_sft_on_minimind_tool_records_trains_calls_and_answers_not_tool_results(tmp_path, tokenizer):
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    conv = [{"role": "system", "content": "", "tools": json.dumps(tools)},  # MiniMind's JSON strings
+            {"role": "user", "content": "12*7?"},
+            {"role": "assistant", "content": "", "tool_calls": json.dumps([{"name": "calculator",
+                                                                             "arguments": {"expr": "12*7"}}])},
+            {"role": "tool", "content": "84"},
+            {"role": "assistant", "content": "It is 84.", "reasoning_content": "Read the tool."}]
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"conversations": conv}])
+    cache = prepare(path, tokenizer, "sft", num_workers=0, cache_dir=tmp_path / "c", max_seq_len=512,
+                    overlong="drop", log=str)
+    assert cache.meta["stats"] == {"truncated": 0, "dropped_too_long": 0}
+    _, y = SFTDataset(cache, batch_size=1, pad_id=tokenizer.pad_id).batch(np.array([0]))
+    parsed = [{**m, **{k: json.loads(m[k]) for k in ("tools", "tool_calls") if k in m}} for m in conv]
+    ids, labelled, _ = tokenizer.encode_chat(parsed)
+    assert "<tools>" in tokenizer.decode(ids) and "<tool_response>\n84\n</tool_response>" in tokenizer.decode(ids)
+    targets = tokenizer.decode(t for t in y[0].tolist() if t != IGNORE_INDEX)
+    assert targets == ('<tool_call>\n{"name": "calculator", "arguments": {"expr": "12*7"}}\n</tool_call><|im_end|>'
+                       "<think>\nRead the tool.\n</think>\n\nIt is 84.<|im_end|>")
+
+
 def test_overlong_conversations_truncate_at_turn_boundary_or_drop(tmp_path, tokenizer):
     long_answer = "word " * 200
     convs = [{"conversations": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "short a1"},

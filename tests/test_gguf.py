@@ -171,6 +171,9 @@ def test_metadata_and_chat_template(llama_cpp, llama_model, tokenizer):
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
     formatter = Jinja2ChatFormatter(meta["tokenizer.chat_template"], eos_token="<|im_end|>", bos_token="<|im_start|>")
     assert formatter(messages=CHAT).prompt == expected
+    from test_tokenizer import TOOL_CONVERSATION, TOOLS  # tool calls, tool results and thinking: the same text
+    assert formatter(messages=TOOL_CONVERSATION[:5], tools=TOOLS).prompt == tokenizer.render_chat(
+        TOOL_CONVERSATION[:5], add_generation_prompt=True, tools=TOOLS)
     # ... and llama.cpp's own C++ chat code (llama-cli / llama-server without --jinja) recognises it as ChatML
     import ctypes
     template_c = llama_cpp.llama_model_chat_template(llm._model.model, None)

@@ -52,7 +52,7 @@ BAD_PAIRS = [
     ({"chosen": "Hi", "rejected": [U, A]}, '"chosen" must be a list, got str'),
     ({"chosen": [U, A], "rejected": []}, 'empty "rejected"'),
     ({"chosen": [U, A], "rejected": [msg("bot", "x"), A]},
-     "\"rejected\" turn 0 has unknown role 'bot'; expected one of ('system', 'user', 'assistant')"),
+     "\"rejected\" turn 0 has unknown role 'bot'; expected one of ('system', 'user', 'assistant', 'tool')"),
     ({"chosen": [U, msg("assistant", None)], "rejected": [U, A]}, '"chosen" turn 1 "content" must be a string, '
                                                                   'got NoneType'),
     ({"chosen": [U, "x"], "rejected": [U, A]}, '"chosen" turn 1 must be an object, got str'),

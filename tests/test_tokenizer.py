@@ -179,3 +179,100 @@ def test_missing_or_broken_tokenizer_files(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(TokenizerError, match="not a tokenizers JSON file"):
         Tokenizer(tmp_path)
+
+
+# ------------------------------------------------------------------ tool calls and thinking
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "计算 an arithmetic expression",
+                                           "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
+                                                          "required": ["expr"]}}},
+         {"type": "function", "function": {"name": "convert", "description": "unit conversion",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+TOOL_CONVERSATION = [
+    {"role": "system", "content": " Be brief. "},
+    {"role": "user", "content": "What is 12 * 7, and 3 km in miles?"},
+    {"role": "assistant", "content": None, "reasoning_content": " Two tools. ",
+     "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expr": "12*7"}}},
+                    {"name": "convert", "arguments": "{\"value\": 3, \"from\": \"km\", \"to\": \"mi\"}"}]},
+    {"role": "tool", "content": "84"},
+    {"role": "tool", "content": " 1.864 "},
+    {"role": "assistant", "content": "84; 3 km is 1.864 miles.", "reasoning_content": ""},
+    {"role": "user", "content": "谢谢"},
+    {"role": "assistant", "content": "不客气。"},
+]
+
+
+def test_tool_calls_and_thinking_render_as_transformers_renders_them(tokenizer):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tokenizer.path)
+    on_system = [{**TOOL_CONVERSATION[0], "tools": TOOLS}, *TOOL_CONVERSATION[1:]]  # MiniMind's place for them
+    no_system = TOOL_CONVERSATION[1:]
+    cases = [(TOOL_CONVERSATION, TOOLS, {}), (on_system, None, {}), (no_system, TOOLS, {}),
+             (TOOL_CONVERSATION[:5], TOOLS, {"add_generation_prompt": True}),
+             (TOOL_CONVERSATION[:2], TOOLS, {"add_generation_prompt": True, "enable_thinking": True}),
+             (TOOL_CONVERSATION[:2], None, {"add_generation_prompt": True, "enable_thinking": False})]
+    for conv, tools, kw in cases:
+        text = hf.apply_chat_template(conv, tools=tools, tokenize=False, **kw)
+        assert text == tokenizer.render_chat(conv, tools=tools, **kw)
+        ids = hf.apply_chat_template(conv, tools=tools, tokenize=True, **kw)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert list(ids) == tokenizer.encode_chat(conv, tools=tools, **kw)[0]
+    text = tokenizer.render_chat(TOOL_CONVERSATION, tools=TOOLS)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and '"description": "计算 an' in text
+    assert ('<|im_start|>assistant\n<think>\nTwo tools.\n</think>\n\n<tool_call>\n{"name": "calculator", '
+            '"arguments": {"expr": "12*7"}}\n</tool_call>\n<tool_call>\n{"name": "convert", "arguments": '
+            '{"value": 3, "from": "km", "to": "mi"}}\n</tool_call><|im_end|>\n') in text
+    assert "<|im_start|>user\n<tool_response>\n84\n</tool_response>\n<tool_response>\n1.864\n</tool_response>" in text
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n84; 3 km" in text  # an empty reasoning is still a block
+    assert tokenizer.render_chat(CONVERSATION, tools=[]) == tokenizer.render_chat(CONVERSATION)  # no tools: plain
+
+
+def test_tool_turns_train_on_calls_and_reasoning_never_on_tool_responses(tokenizer):
+    ids, labelled, turn_ends = tokenizer.encode_chat(TOOL_CONVERSATION, tools=TOOLS)
+    runs, run = [], []
+    for i, lab in zip(ids, labelled):
+        if lab:
+            run.append(i)
+        elif run:
+            runs, run = runs + [run], []
+    said = [tokenizer.decode(r) for r in runs]
+    assert said == ['<think>\nTwo tools.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expr": '
+                    '"12*7"}}\n</tool_call>\n<tool_call>\n{"name": "convert", "arguments": {"value": 3, "from": '
+                    '"km", "to": "mi"}}\n</tool_call>' + IM_END,
+                    "<think>\n\n</think>\n\n84; 3 km is 1.864 miles." + IM_END, "不客气。" + IM_END]
+    # one end per message; the two tool messages are one turn, the tools join the system message's turn
+    assert len(turn_ends) == len(TOOL_CONVERSATION) and turn_ends[3] == turn_ends[4] and turn_ends[-1] == len(ids)
+    assert all(ids[e - 2:e] == [tokenizer.im_end_id, tokenizer.newline_id] for e in turn_ends)
+    assert tokenizer.decode(ids[:turn_ends[0]]).count("<|im_start|>") == 1
+    # without a system message the tools turn is counted with the first message's
+    _, _, ends = tokenizer.encode_chat(TOOL_CONVERSATION[1:], tools=TOOLS)
+    assert len(ends) == len(TOOL_CONVERSATION) - 1
+    assert tokenizer.decode(tokenizer.encode_chat(TOOL_CONVERSATION[1:], tools=TOOLS)[0][:ends[0]]).count(
+        "<|im_start|>") == 2
+    # the generation prompt with thinking opened is the training prefix of a thinking answer
+    prompt = tokenizer.chat_prompt(TOOL_CONVERSATION[:2], tools=TOOLS, enable_thinking=True)
+    assert ids[:len(prompt)] == prompt
+
+
+def test_minimind_tool_records_read_as_they_are(tmp_path):
+    from common.errors import DataError
+    from dataset.jsonl import read_records
+
+    minimind = {"conversations": [
+        {"role": "system", "content": "", "tools": json.dumps(TOOLS)},
+        {"role": "user", "content": "12*7?"},
+        {"role": "assistant", "content": "", "tool_calls": json.dumps([{"name": "calculator",
+                                                                         "arguments": {"expr": "12*7"}}])},
+        {"role": "tool", "content": "84"},
+        {"role": "assistant", "content": "84", "reasoning_content": "easy"}]}
+    path = write_jsonl(tmp_path / "tools.jsonl", [minimind])
+    (_, record), = read_records(path, "conversations")
+    assert record["conversations"][0]["tools"] == TOOLS  # parsed from MiniMind's JSON strings
+    assert record["conversations"][2]["tool_calls"][0]["arguments"] == {"expr": "12*7"}
+    bad = [("tool_calls", "[{\"name\": 3}]", "tool_calls"), ("tool_calls", "not json", "not JSON"),
+           ("tools", "{\"a\": 1}", "tools"), ("reasoning_content", 5, "reasoning_content")]
+    for key, value, message in bad:
+        conv = json.loads(json.dumps(minimind["conversations"]))
+        conv[2 if key != "tools" else 0][key] = value
+        path = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": conv}])
+        with pytest.raises(DataError, match=f"bad.jsonl:1: .*{message}"):
+            list(read_records(path, "conversations"))
