@@ -224,7 +224,7 @@ class Tokenizer:
     def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None,
                     enable_thinking: bool | None = None) -> list[int]:
         """Ids of a conversation followed by the assistant header, ready for generation."""
-        return self.encode_chat(messages, True, tools, enable_thinking)[0]
+        return self.encode_chat(messages, add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking)[0]
 
     def stop_ids(self, chat: bool) -> list[int]:
         """Where generation ends: a chat answer at <|im_end|> (or a document end), raw text at <|endoftext|>."""

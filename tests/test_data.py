@@ -282,8 +282,8 @@ def test_sft_on_minimind_tool_records_trains_calls_and_answers_not_tool_results(
     assert cache.meta["stats"] == {"truncated": 0, "dropped_too_long": 0}
     _, y = SFTDataset(cache, batch_size=1, pad_id=tokenizer.pad_id).batch(np.array([0]))
     parsed = [{**m, **{k: json.loads(m[k]) for k in ("tools", "tool_calls") if k in m}} for m in conv]
-    ids, labelled, _ = tokenizer.encode_chat(parsed)
-    assert "<tools>" in tokenizer.decode(ids) and "<tool_response>\n84\n</tool_response>" in tokenizer.decode(ids)
+    text = tokenizer.decode(tokenizer.encode_chat(parsed)[0])
+    assert "<tools>" in text and "<tool_response>\n84\n</tool_response>" in text
     targets = tokenizer.decode(t for t in y[0].tolist() if t != IGNORE_INDEX)
     assert targets == ('<tool_call>\n{"name": "calculator", "arguments": {"expr": "12*7"}}\n</tool_call><|im_end|>'
                        "<think>\nRead the tool.\n</think>\n\nIt is 84.<|im_end|>")

@@ -56,6 +56,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return {"pretrain": make_run(base / "pt", "pretrain", 1), "sft": make_run(base / "pretrain-named-sft", "sft", 2)}
 
 
+# Batched, padded windows run other matmul shapes than one window at a time, so fp32 rounding differs by a few
+# parts per million, by how much depending on the CPU's kernels (5e-6 relative has been seen).
+BATCHED_REL = 2e-5
+
+
 def _eval(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "eval_model.py", *args], cwd=ROOT, capture_output=True, text=True,
                           input=stdin, timeout=120)
@@ -209,9 +214,7 @@ def test_ppl_on_text_matches_an_independent_computation(runs, tokenizer, tmp_pat
     # Scored bytes: all text bytes except the unscored first token's (<|endoftext|> stands for none).
     n_bytes = sum(len(t.encode()) for t in texts) - len(tokenizer.decode(stream[:1]).encode())
     assert got["bytes"] == n_bytes
-    # Batched, padded windows run other matmul shapes than one window at a time, so fp32 rounding differs by
-    # a few parts per million, by how much depending on the CPU's kernels (5e-6 relative has been seen).
-    assert got["loss"] == pytest.approx(nats / count, rel=2e-5)
+    assert got["loss"] == pytest.approx(nats / count, rel=BATCHED_REL)
     assert got["ppl"] == pytest.approx(math.exp(got["loss"]), rel=1e-5)  # the same loss, exponentiated
     assert got["bpb"] == pytest.approx(nats / 0.6931471805599453 / n_bytes, abs=1e-4)
 
@@ -239,9 +242,7 @@ def test_ppl_on_conversations_scores_only_assistant_tokens(runs, tokenizer, tmp_
             count += int(mask.sum())
     n_bytes = sum(len(t["content"].strip().encode()) for c in convs for t in c if t["role"] == "assistant")
     assert (got["tokens"], got["bytes"]) == (count, n_bytes)
-    # Batched, padded windows run other matmul shapes than one window at a time, so fp32 rounding differs by
-    # a few parts per million, by how much depending on the CPU's kernels (5e-6 relative has been seen).
-    assert got["loss"] == pytest.approx(nats / count, rel=2e-5)
+    assert got["loss"] == pytest.approx(nats / count, rel=BATCHED_REL)
     assert got["bpb"] == pytest.approx(nats / 0.6931471805599453 / n_bytes, abs=1e-4)
     first = _eval("--checkpoint", str(runs["sft"]), "--ppl", str(data), "--limit", "1", "--device", "cpu")
     assert first.returncode == 0, first.stderr

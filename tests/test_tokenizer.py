@@ -244,10 +244,9 @@ def test_tool_turns_train_on_calls_and_reasoning_never_on_tool_responses(tokeniz
     assert all(ids[e - 2:e] == [tokenizer.im_end_id, tokenizer.newline_id] for e in turn_ends)
     assert tokenizer.decode(ids[:turn_ends[0]]).count("<|im_start|>") == 1
     # without a system message the tools turn is counted with the first message's
-    _, _, ends = tokenizer.encode_chat(TOOL_CONVERSATION[1:], tools=TOOLS)
+    no_system, _, ends = tokenizer.encode_chat(TOOL_CONVERSATION[1:], tools=TOOLS)
     assert len(ends) == len(TOOL_CONVERSATION) - 1
-    assert tokenizer.decode(tokenizer.encode_chat(TOOL_CONVERSATION[1:], tools=TOOLS)[0][:ends[0]]).count(
-        "<|im_start|>") == 2
+    assert tokenizer.decode(no_system[:ends[0]]).count("<|im_start|>") == 2
     # the generation prompt with thinking opened is the training prefix of a thinking answer
     prompt = tokenizer.chat_prompt(TOOL_CONVERSATION[:2], tools=TOOLS, enable_thinking=True)
     assert ids[:len(prompt)] == prompt
