@@ -91,3 +91,20 @@ def judge(output: str, answers: Sequence[str]) -> Verdict:
         return Verdict(answer, answer is not None and normalize_number(answer) in gold, strict is not None)
     answer = normalize_text(output)
     return Verdict(answer, answer in {normalize_text(a) for a in answers}, True)
+
+
+_STATED_TEXT = re.compile(r"(?:answer is|答案是)\s*(.+?)\s*[.。!！]?\s*$", re.IGNORECASE | re.DOTALL)
+
+
+def answer_right(output: str, answers: Sequence[str]) -> bool:
+    """Whether a reply reached a right answer. Numbers as `judge` reads them; a text answer (a date, a name)
+    stated as "the answer is X" / "答案是 X" must be X, and without a statement must appear among the reply's
+    words (normalised as SQuAD's), since a reply built on a tool's result is a sentence ending with the answer."""
+    if is_number_answer(answers):
+        return judge(output, answers).correct
+    golds = {normalize_text(a) for a in answers}
+    stated = _STATED_TEXT.search(output)
+    if stated:
+        return normalize_text(stated.group(1)) in golds
+    words = f" {normalize_text(output)} "
+    return any(gold and f" {gold} " in words for gold in golds)

@@ -25,6 +25,11 @@ the answer as "label"). A generation item with "conversations" (or "messages") i
 prompted through the chat template, for a chat model, and ended by its end-of-turn token too (the turns end with
 the user's; a last assistant turn, as MiniMind's RL prompts have one, is left out: dataset/jsonl.py
 prompt_messages).
+
+An item with a "tool_call" ({"name", "arguments"}: the call expected first) is a tool item: a chat whose first,
+system turn offers "tools", carried through tool use with the bundled tools (model/tool_use.py; at most
+"max_tool_rounds" rounds of calls, default 3) and scored on its first call and its final "answer"
+(scripts/build_tool_demo.py writes dataset/demo/tools_heldout.jsonl so).
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ class TaskItem:
 
 
 DEFAULT_NEW_TOKENS = 256  # a generation item's budget when it names none (lm-evaluation-harness's max_gen_toks)
+DEFAULT_TOOL_ROUNDS = 3  # a tool item's rounds of calls when it names none
 
 
 @dataclass(frozen=True)
@@ -77,13 +83,28 @@ class GenerationItem:
 
 
 @dataclass(frozen=True)
+class ToolItem:
+    """One tool-use item: a chat prompt offering tools (its first, system turn's "tools"), the call expected
+    first (a tool's name and arguments), the right final answers, the new-token budget of each reply and the most
+    rounds of tool calls run (model/tool_use.py)."""
+
+    id: str
+    messages: tuple[dict[str, Any], ...]
+    answers: tuple[str, ...]
+    call_name: str
+    call_arguments: dict[str, Any]
+    max_new_tokens: int = DEFAULT_NEW_TOKENS
+    max_rounds: int = DEFAULT_TOOL_ROUNDS
+
+
+@dataclass(frozen=True)
 class Task:
-    """A named list of items of one kind: "choice" (ranked choices), "bpb" (single continuations) or
-    "generate" (GenerationItem)."""
+    """A named list of items of one kind: "choice" (ranked choices), "bpb" (single continuations), "generate"
+    (GenerationItem) or "tools" (ToolItem)."""
 
     name: str
     kind: str
-    items: tuple[TaskItem, ...] | tuple[GenerationItem, ...]
+    items: tuple[TaskItem, ...] | tuple[GenerationItem, ...] | tuple[ToolItem, ...]
     source: str
 
     def head(self, limit: int | None) -> Task:
@@ -156,13 +177,32 @@ def _generation_line(record: dict[str, Any], item_id: str, where: str) -> Genera
                           messages)
 
 
+def _tool_line(record: dict[str, Any], item_id: str, where: str) -> ToolItem:
+    call = record["tool_call"]
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]
+            and isinstance(call.get("arguments"), dict)):
+        raise DataError(f'{where}: "tool_call" must be {{"name": str, "arguments": object}}, the call expected')
+    try:
+        messages = prompt_messages(record)
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
+    if not messages[0].get("tools"):
+        raise DataError(f'{where}: a tool item offers its tools on its first, system turn ("tools": [...])')
+    rounds = record.get("max_tool_rounds", DEFAULT_TOOL_ROUNDS)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise DataError(f'{where}: "max_tool_rounds" must be a positive integer, got {rounds!r}')
+    return ToolItem(item_id, tuple(messages), _answers(record.get("answer"), "answer", where), call["name"],
+                    call["arguments"], _budget(record.get("max_new_tokens", DEFAULT_NEW_TOKENS), "max_new_tokens",
+                                               where), rounds)
+
+
 def read_task_file(path: str | Path, name: str | None = None, generate: bool = False) -> Task:
     """The task in a JSONL file (the line formats of the module docstring; generate=True reads request lines as
     generation items); DataError naming the file and line of the first problem: a line that is not a JSON object,
     a missing or mistyped field, an item's request lines that disagree on their gold label or skip a choice,
     items of two kinds in one file, or no items."""
     path = check_path(path)
-    items: list[TaskItem | GenerationItem] = []
+    items: list[TaskItem | GenerationItem | ToolItem] = []
     requests: dict[str, dict[str, Any]] = {}  # doc_id -> {"line", "gold", "choices": {idx: (context, text)}}
     generated: set[str] = set()
     for lineno, raw in iter_raw_lines(path):
@@ -197,6 +237,9 @@ def read_task_file(path: str | Path, name: str | None = None, generate: bool = F
             entry["choices"][idx] = (context, continuation)
             continue
         item_id = str(record.get("id", f"{path.name}:{lineno}"))
+        if "tool_call" in record:
+            items.append(_tool_line(record, item_id, where))
+            continue
         if "answer" in record:
             items.append(_generation_line(record, item_id, where))
             continue
@@ -230,14 +273,16 @@ def read_task_file(path: str | Path, name: str | None = None, generate: bool = F
     kinds = {item_kind(item) for item in items}
     if len(kinds) > 1:
         raise DataError(f"{path}: mixes items of kinds {', '.join(sorted(kinds))} (several choices, one "
-                        "continuation, an answer to generate); a task is one kind (split the file)")
+                        "continuation, an answer to generate, a tool call); a task is one kind (split the file)")
     return Task(name or path.name.split(".")[0], kinds.pop(), tuple(items), str(path))
 
 
-def item_kind(item: TaskItem | GenerationItem) -> str:
-    """"generate", "choice" or "bpb"."""
+def item_kind(item: TaskItem | GenerationItem | ToolItem) -> str:
+    """"generate", "tools", "choice" or "bpb"."""
     if isinstance(item, GenerationItem):
         return "generate"
+    if isinstance(item, ToolItem):
+        return "tools"
     return "choice" if item.is_choice else "bpb"
 
 

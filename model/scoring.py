@@ -252,8 +252,8 @@ class GenerationItem(Protocol):
 class TaskScore:
     """A task's result: its size, and accuracy (ranked choices: acc, acc_norm, the chance of guessing and the
     chance-centred accuracy (acc - chance) / (1 - chance), 0 for guessing and 1 for all right; generation: acc,
-    the exact-match rate, and `stated`, the share of outputs that stated a numeric answer in the taught format)
-    or bits per byte."""
+    the exact-match rate, and `stated`, the share of outputs that stated a numeric answer in the taught format;
+    tool use: acc, the answers reached with tools, and the call_* and bare_acc shares) or bits per byte."""
 
     name: str
     items: int
@@ -262,6 +262,10 @@ class TaskScore:
     chance: float | None = None
     bpb: float | None = None
     stated: float | None = None
+    call_valid: float | None = None  # tool items: the share of first replies with well-formed calls only,
+    call_tool: float | None = None  # ... naming the right tool,
+    call_acc: float | None = None  # ... with the right arguments;
+    bare_acc: float | None = None  # and the answer accuracy without tools (acc: with them)
     samples: tuple[dict, ...] = ()  # a generation task's items: id, output, the answer read, correct
 
     @property
@@ -274,8 +278,9 @@ class TaskScore:
 @dataclass(frozen=True)
 class TaskTotals:
     """A task's sums over some of its items (one rank's share): what ranks add up before a TaskScore is made.
-    kind: "choice" (counts of right picks), "bpb" (nats and bytes of the continuations) or "generate" (counts of
-    right and of stated answers)."""
+    kind: "choice" (counts of right picks), "bpb" (nats and bytes of the continuations), "generate" (counts of
+    right and of stated answers) or "tools" (counts of right answers and of valid, right-tool and right calls,
+    and of right answers without tools)."""
 
     kind: str
     items: int = 0
@@ -285,16 +290,19 @@ class TaskTotals:
     nats: float = 0.0
     bytes: int = 0
     stated: int = 0
+    valid: int = 0
+    right_tool: int = 0
+    right_call: int = 0
+    bare: int = 0
     samples: tuple[dict, ...] = ()  # not summed across ranks: eval_model.py writes them, one process
 
     def as_list(self) -> list[float]:
-        return [self.items, self.correct, self.correct_norm, self.chance, self.nats, self.bytes, self.stated]
+        return [float(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in ("kind", "samples")]
 
     @classmethod
     def from_list(cls, kind: str, values: Sequence[float]) -> TaskTotals:
-        items, correct, correct_norm, chance, nats, n_bytes, stated = values
-        return cls(kind, round(items), round(correct), round(correct_norm), chance, nats, round(n_bytes),
-                   round(stated))
+        names = [f for f in dataclasses.fields(cls) if f.name not in ("kind", "samples")]
+        return cls(kind, **{f.name: v if f.type == "float" else round(v) for f, v in zip(names, values)})
 
     def score(self, name: str) -> TaskScore:
         n = self.items
@@ -304,13 +312,23 @@ class TaskTotals:
             return TaskScore(name, 0)
         if self.kind == "generate":
             return TaskScore(name, n, acc=self.correct / n, stated=self.stated / n, samples=self.samples)
+        if self.kind == "tools":
+            return TaskScore(name, n, acc=self.correct / n, call_valid=self.valid / n, call_tool=self.right_tool / n,
+                             call_acc=self.right_call / n, bare_acc=self.bare / n, samples=self.samples)
         return TaskScore(name, n, acc=self.correct / n, acc_norm=self.correct_norm / n, chance=self.chance / n)
 
 
 def task_totals(model: torch.nn.Module, kind: str, items: Sequence[Item] | Sequence[GenerationItem], tok: Codec,
                 batch_size: int = 16, autocast: Autocast = contextlib.nullcontext) -> TaskTotals:
-    """Score a task's items (all of one `kind`: "choice", "bpb" or "generate"; possibly none, e.g. a rank's
-    share) into their sums."""
+    """Score a task's items (all of one `kind`: "choice", "bpb", "generate" or "tools"; possibly none, e.g. a
+    rank's share) into their sums."""
+    if kind == "tools":
+        from .tool_use import judge_tool_items  # it builds on this module's generation
+        verdicts, samples = judge_tool_items(model, items, tok, batch_size, autocast)  # type: ignore[arg-type]
+        return TaskTotals(kind, len(items), correct=sum(v.correct for v in verdicts),
+                          valid=sum(v.valid for v in verdicts), right_tool=sum(v.right_tool for v in verdicts),
+                          right_call=sum(v.right_call for v in verdicts), bare=sum(v.bare for v in verdicts),
+                          samples=tuple(samples))
     if kind == "generate":
         outputs = generate_outputs(model, items, tok, batch_size, autocast)  # type: ignore[arg-type]
         verdicts = [judge(output, item.answers) for output, item in zip(outputs, items)]  # type: ignore[union-attr]
@@ -385,15 +403,18 @@ def centred_average(scores: Sequence[TaskScore]) -> float | None:
 
 
 def task_table(scores: Sequence[TaskScore]) -> str:
-    """The scores as a Markdown table (a `stated` column when a generation task is among them), with the
-    chance-centred average of the ranked-choice tasks."""
+    """The scores as a Markdown table (a `stated` column when a generation task is among them, the tool-call
+    columns when a tool task is), with the chance-centred average of the ranked-choice tasks."""
     def cell(value: float | None) -> str:
         return "" if value is None else f"{value:.4f}"
-    stated = any(s.stated is not None for s in scores)
-    rows = ["| task | items | acc | acc_norm | chance | centred | bits/byte |" + (" stated |" if stated else ""),
-            "|---|--:|--:|--:|--:|--:|--:|" + ("--:|" if stated else "")]
-    rows += [f"| {s.name} | {s.items} | {cell(s.acc)} | {cell(s.acc_norm)} | {cell(s.chance)} | {cell(s.centred)} | "
-             f"{cell(s.bpb)} |" + (f" {cell(s.stated)} |" if stated else "") for s in scores]
+    columns = ["acc", "acc_norm", "chance", "centred", "bpb"]
+    columns += [c for c in ("stated", "call_valid", "call_tool", "call_acc", "bare_acc")
+                if any(getattr(s, c) is not None for s in scores)]
+    heads = {"bpb": "bits/byte", "call_valid": "valid call", "call_tool": "right tool", "call_acc": "right call",
+             "bare_acc": "acc without tools"}
+    rows = ["| task | items | " + " | ".join(heads.get(c, c) for c in columns) + " |",
+            "|---|--:|" + "--:|" * len(columns)]
+    rows += [f"| {s.name} | {s.items} | " + " | ".join(cell(getattr(s, c)) for c in columns) + " |" for s in scores]
     average = centred_average(scores)
     if average is not None:
         n = sum(s.centred is not None for s in scores)
