@@ -2,6 +2,8 @@
 
     python eval_model.py --checkpoint out/<run> --prompt "Once upon a time"
     python eval_model.py --checkpoint out/<run> --chat --system "You are a helpful assistant."
+    python eval_model.py --checkpoint out/demo-tool-sft --tools --prompt "What is 347 * 29?"
+    python eval_model.py --checkpoint out/demo-tool-sft --task_file dataset/demo/tools_heldout.jsonl
     python eval_model.py --checkpoint out/<run> --ppl dataset/demo/pretrain_demo.jsonl
     python eval_model.py --checkpoint out/<run> --probes dataset/prompts/probes.tsv --temperature 0
     python eval_model.py --checkpoint out/<run> --sweep temperature=0.6:1.2:0.1 --out sweep.json --plot sweep.png
@@ -13,18 +15,20 @@ and stop at <|im_end|>.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import time
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Callable, ClassVar, Literal
 
 import torch
 
 from common.config import option, parse_config
 from common.device import choose_dtype, dtype_name
 from common.errors import ConfigError, PocketLMError
+from common.tools import tool_schemas
 from dataset.jsonl import SkipReport, check_path, read_records
 from dataset.tasks import Task, load_tasks, read_task_file
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
@@ -46,6 +50,7 @@ from model.probes import Probe, read_prompt_file, run_probes
 from model.scoring import TaskScore, score_items, task_table, write_scores
 from model.stats import RouterLoad
 from model.sweep import SettingResult, SweepReport, SweepSpec, parse_sweep, run_sweep
+from model.tool_use import run_tools
 
 DEFAULT_SWEEP_PROMPTS = Path(__file__).resolve().parent / "dataset" / "prompts" / "samples.txt"
 
@@ -65,9 +70,13 @@ class Evaluator:
         self.prompt_format = task.prompt_format or read_train_info(model_dir)["prompt_format"]
         self.is_chat = self.prompt_format == "chat"
         self.system = task.system
+        self.tools, self.max_tool_rounds = task.tools, task.max_tool_rounds
         self.skip_bad_lines = task.skip_bad_lines
         if task.system and not self.is_chat:
             note("--system is ignored: a text checkpoint (pretrained) is prompted with raw text")
+        if task.tools and not self.is_chat:
+            raise ConfigError("--tools needs a chat checkpoint (SFT and after): tools are offered through the chat "
+                              "template")
         if not (model_dir / "tokenizer.json").is_file():
             note(f"{model_dir} has no tokenizer.json; using the default tokenizer")
         self.tok = Tokenizer(model_dir if (model_dir / "tokenizer.json").is_file() else DEFAULT_TOKENIZER_DIR)
@@ -90,19 +99,49 @@ class Evaluator:
         for ids, dropped in fitted:
             if dropped:
                 note(f"prompt too long; dropped its first {dropped} tokens (kept the last {len(ids)})")
-        a = self.sampling
-        new = stream_generate(self.model, [ids for ids, _ in fitted], self.tok.decode,
-                              on_text=(lambda text: print(text, end="", flush=True)) if stream else None,
-                              max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                              top_p=a.top_p, repetition_penalty=a.repetition_penalty, eos_token_ids=self.eos,
-                              pad_token_id=self.tok.pad_id, generator=self.generator)
+        new = self.new_ids([ids for ids, _ in fitted], self.sampling.max_new_tokens,
+                           (lambda text: print(text, end="", flush=True)) if stream else None)
         if stream:
             print(flush=True)
         return [self.tok.decode(ids) for ids in new]
 
+    def new_ids(self, prompts: list[list[int]], max_new_tokens: int,
+                on_text: Callable[[str], None] | None = None) -> list[list[int]]:
+        """The tokens generated after each prompt with the sampling flags."""
+        a = self.sampling
+        return stream_generate(self.model, prompts, self.tok.decode, on_text=on_text, max_new_tokens=max_new_tokens,
+                               temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                               repetition_penalty=a.repetition_penalty, eos_token_ids=self.eos,
+                               pad_token_id=self.tok.pad_id, generator=self.generator)
+
+    def use_tools(self, messages: list[dict]) -> list[dict]:
+        """One answer with the bundled tools (model/tool_use.py): each call and result printed as it comes, the
+        final reply printed; the conversation with the new turns returned."""
+        def show(_: int, message: dict) -> None:
+            if message["role"] == "tool":
+                print(f"[tool result] {message['content']}", flush=True)
+                return
+            if message.get("reasoning_content"):
+                print(f"[thinking] {message['reasoning_content']}", flush=True)
+            if message["content"]:
+                print(message["content"], flush=True)
+            for call in message.get("tool_calls", []):
+                print(f"[tool call] {call['name']}({json.dumps(call['arguments'], ensure_ascii=False)})", flush=True)
+        cfg = self.model.config
+        run = run_tools(self.new_ids, [messages], self.tok.chat_prompt,
+                        lambda ids: self.tok.decode(ids, skip_special_tokens=True), self.sampling.max_new_tokens,
+                        cfg.max_position_embeddings, self.max_tool_rounds, on_turn=show)[0]
+        if run.overflow:
+            note("the conversation no longer fits the model's positions; start again (/reset in --chat)")
+        if run.capped:
+            note(f"stopped after {self.max_tool_rounds} rounds of tool calls (--max_tool_rounds); the last calls "
+                 "were not run")
+        return run.messages
+
     def chat(self) -> None:
-        """REPL: lines from stdin, streamed replies; /reset clears the history, /exit or EOF quits."""
-        base = [{"role": "system", "content": self.system}] if self.system else []
+        """REPL: lines from stdin, streamed replies (with --tools: each call, result and the reply printed);
+        /reset clears the history, /exit or EOF quits."""
+        base = self.base_messages()
         if not self.is_chat:
             note("pretrain checkpoint: each line is continued as raw text, without history or template")
         history, interactive = list(base), sys.stdin.isatty()
@@ -123,6 +162,9 @@ class Evaluator:
                 if not self.is_chat:
                     self.complete([self.prompt_ids(line)], stream=True)
                     continue
+                if self.tools:  # never trimmed: the first message offers the tools
+                    history = self.use_tools(history + [{"role": "user", "content": line}])
+                    continue
                 messages, ids, dropped = fit_chat(history + [{"role": "user", "content": line}],
                                                   self.tok.chat_prompt, self.budget)
                 if dropped:
@@ -131,6 +173,12 @@ class Evaluator:
                 history = messages + [{"role": "assistant", "content": reply}]
             except KeyboardInterrupt:  # Ctrl-C stops this reply (left out of the history), not the session
                 print("\n(interrupted)", flush=True)
+
+    def base_messages(self) -> list[dict]:
+        """The conversation's start: the system prompt, and with --tools the bundled tools on it."""
+        if self.tools:
+            return [{"role": "system", "content": self.system or "", "tools": tool_schemas()}]
+        return [{"role": "system", "content": self.system}] if self.system else []
 
     def prompt_ids(self, text: str) -> list[int]:
         return self.tok.prompt_ids(text, chat=self.is_chat, system=self.system)
@@ -228,6 +276,10 @@ class EvalTask:
     probes: str | None = option(None, "one prompt per line, or `prompt<TAB>expected` to score the answer ('#' "
                                       "comments; e.g. dataset/prompts/probes.tsv)", metavar="FILE")
     system: str | None = option(None, "system prompt for SFT checkpoints", metavar="TEXT")
+    tools: bool = option(False, "--chat / --prompt: offer the model the bundled tools (calculator, convert_units, "
+                                "add_days, days_between, lookup_element: common/tools.py); its calls run and the "
+                                "results go back to it, each printed")
+    max_tool_rounds: int = option(3, "--tools: rounds of tool calls run per answer at most", at_least=1)
     prompt_format: Literal["text", "chat"] | None = option(None, "override train_info.json's prompt format (text: "
                                                                  "raw continuation, chat: the chat template)")
     skip_bad_lines: bool = option(False, "--ppl: skip and count malformed lines")
@@ -302,6 +354,9 @@ class EvalConfig:
                 raise ConfigError(f"{' and '.join(stray)}: only with --sweep")
         if len(modes) > 1:
             raise ConfigError(f"{' and '.join(modes)} are alternatives; give one")
+        if self.task.tools and modes and modes[0] not in ("--prompt", "--chat"):
+            raise ConfigError(f"--tools: with --prompt or --chat (a tool task file scores tool use by itself), not "
+                              f"{modes[0]}")
         for flag, path in (("--out", sweep.out), ("--plot", sweep.plot)):
             if path and Path(path).is_dir():
                 raise ConfigError(f"{flag} {path} is a directory; give a file name")
@@ -356,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
             ev.probes(probes)
         elif task.prompt:
             for text in task.prompt:
+                if ev.tools:
+                    print(f">>> {text}", flush=True)
+                    ev.use_tools(ev.base_messages() + [{"role": "user", "content": text}])
+                    continue
                 # SFT: the question, then the streamed answer; pretrain: the prompt continued in place
                 print(f">>> {text}" if ev.is_chat else text, end="\n" if ev.is_chat else "", flush=True)
                 ev.complete([ev.prompt_ids(text)], stream=True)

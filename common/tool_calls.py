@@ -19,13 +19,11 @@ was never closed (generation cut off), is not a call. It stays in the content as
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -72,40 +70,114 @@ def parse_call(body: str) -> ToolCall:
     return ToolCall(name.strip(), args)
 
 
-def split_reasoning(text: str, thinking: bool = False) -> tuple[str | None, str]:
-    """(reasoning, the rest) of a reply. `thinking`: the prompt already opened the <think> block (the template's
-    enable_thinking=True), so the reply starts inside it. An unclosed block is all reasoning: the model was still
-    thinking when generation stopped."""
-    stripped = text.lstrip()
-    if not thinking:
-        if not stripped.startswith(THINK_OPEN):
-            return None, text.strip()
-        stripped = stripped[len(THINK_OPEN):]
-    inside, closed, rest = stripped.partition(THINK_CLOSE)
-    return inside.strip(), rest.strip() if closed else ""
+Event = tuple[str, "str | ToolCall"]  # ("content" | "reasoning", text) or ("call", ToolCall)
 
 
-def parse_reply(text: str, thinking: bool = False) -> Reply:
-    """Read a generated assistant turn (decoded text, special tokens dropped) into its parts."""
-    reasoning, rest = split_reasoning(text, thinking)
-    calls: list[ToolCall] = []
-    malformed: list[str] = []
-    kept: list[str] = []  # the text that stays content: everything but well-formed call blocks
-    end = 0
-    for match in _CALL_BLOCK.finditer(rest):
-        kept.append(rest[end:match.start()])
-        try:
-            calls.append(parse_call(match.group(1).strip()))
-        except ValueError as e:
-            malformed.append(f"{match.group(0)!r}: {e}")
-            kept.append(match.group(0))
-        end = match.end()
-    tail = rest[end:]
-    if CALL_OPEN in tail:
-        malformed.append(f"{tail[tail.index(CALL_OPEN):]!r}: {CALL_OPEN} never closed")
-    kept.append(tail)
-    content = "\n".join(part.strip() for part in kept if part.strip())
-    return Reply(reasoning, content, tuple(calls), tuple(malformed))
+class ReplyStream:
+    """Reads a reply as it is generated, for streaming: push() text pieces, get events back as soon as they are
+    certain; finish() at the end. Text that may be the start of a marker is held until the next piece decides it.
+
+    Events: ("reasoning", text) inside a leading <think> block; ("content", text) outside it and outside call
+    blocks; ("call", ToolCall) when a <tool_call> block closes and reads as a call (a malformed one comes back as
+    content, its raw text, and is listed in `malformed`). Whitespace at the edges of the reasoning and of the
+    content is not emitted (the template trims both). With tools=False, text after the reasoning is content as
+    generated: nothing in it is a call.
+    """
+
+    def __init__(self, tools: bool = True, thinking: bool = False) -> None:
+        self.tools = tools
+        self.state = "think" if thinking else "start"
+        self.thought = thinking  # a <think> block was opened
+        self.buf = ""
+        self.started = {"content": False, "reasoning": False}
+        self.held = {"content": "", "reasoning": ""}  # trailing whitespace, emitted only if more text follows
+        self.malformed: list[str] = []
+
+    def _emit(self, channel: str, text: str) -> list[Event]:
+        if channel == "content" and not (self.tools or self.thought):  # neither calls nor thinking: as generated
+            return [(channel, text)] if text else []
+        if not self.started[channel]:
+            text = text.lstrip()
+        text = self.held[channel] + text
+        body = text.rstrip()
+        self.held[channel] = text[len(body):]
+        if not body:
+            return []
+        self.started[channel] = True
+        return [(channel, body)]
+
+    def _safe(self, marker: str) -> int:
+        """How much of the buffer is certainly not the start of `marker` (its longest partial suffix held)."""
+        for k in range(min(len(marker) - 1, len(self.buf)), 0, -1):
+            if marker.startswith(self.buf[-k:]):
+                return len(self.buf) - k
+        return len(self.buf)
+
+    def push(self, text: str) -> list[Event]:
+        self.buf += text
+        events: list[Event] = []
+        while True:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if THINK_OPEN.startswith(head) and len(head) < len(THINK_OPEN):
+                    return events  # maybe a <think> still coming
+                if head.startswith(THINK_OPEN):
+                    self.buf, self.state, self.thought = head[len(THINK_OPEN):], "think", True
+                else:
+                    self.state = "text"
+            elif self.state == "think":
+                inside, closed, rest = self.buf.partition(THINK_CLOSE)
+                if not closed:
+                    cut = self._safe(THINK_CLOSE)
+                    events += self._emit("reasoning", self.buf[:cut])
+                    self.buf = self.buf[cut:]
+                    return events
+                events += self._emit("reasoning", inside)
+                self.buf, self.state = rest, "text"
+            elif self.state == "text":
+                before, opened, rest = self.buf.partition(CALL_OPEN) if self.tools else (self.buf, "", "")
+                if not opened:
+                    cut = self._safe(CALL_OPEN) if self.tools else len(self.buf)
+                    events += self._emit("content", self.buf[:cut])
+                    self.buf = self.buf[cut:]
+                    return events
+                events += self._emit("content", before)
+                self.buf, self.state = rest, "call"
+            else:  # inside a call block
+                body, closed, rest = self.buf.partition(CALL_CLOSE)
+                if not closed:
+                    return events
+                raw = CALL_OPEN + body + CALL_CLOSE
+                try:
+                    events.append(("call", parse_call(body.strip())))
+                except ValueError as e:
+                    self.malformed.append(f"{raw!r}: {e}")
+                    events += self._emit("content", raw)
+                self.buf, self.state = rest, "text"
+
+    def finish(self) -> list[Event]:
+        """The events the end of the reply decides: an unclosed block's text (a cut-off call is content, and
+        malformed; a cut-off <think> is all reasoning)."""
+        rest, self.buf = self.buf, ""
+        if self.state == "call":
+            self.malformed.append(f"{CALL_OPEN + rest!r}: {CALL_OPEN} never closed")
+            return self._emit("content", CALL_OPEN + rest)
+        if self.state == "think":
+            return self._emit("reasoning", rest)
+        self.state = "text"
+        return self._emit("content", rest)
+
+
+def parse_reply(text: str, thinking: bool = False, tools: bool = True) -> Reply:
+    """Read a generated assistant turn (decoded text, special tokens dropped) into its parts: the events of
+    ReplyStream over the whole text, joined. `thinking`: the prompt already opened the <think> block (the
+    template's enable_thinking=True), so the reply starts inside it; tools=False: no calls are read."""
+    stream = ReplyStream(tools=tools, thinking=thinking)
+    events = stream.push(text) + stream.finish()
+    reasoning = "".join(str(v) for kind, v in events if kind == "reasoning") if stream.thought else None
+    content = "".join(str(v) for kind, v in events if kind == "content")
+    calls = tuple(v for kind, v in events if kind == "call")
+    return Reply(reasoning, content, calls, tuple(stream.malformed))  # type: ignore[arg-type]
 
 
 def _canonical(value: Any) -> Any:

@@ -191,12 +191,13 @@ class Tokenizer:
         return text + (f"{IM_START}assistant\n{THINKING_PROMPT[enable_thinking]}" if add_generation_prompt else "")
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False,
-                    tools: Sequence[dict] | None = None, enable_thinking: bool | None = None
+                    tools: Sequence[dict] | None = None, enable_thinking: bool | None = None, prefill: str = ""
                     ) -> tuple[list[int], list[bool], list[int]]:
         """(ids, labelled, turn_ends): labelled marks assistant content tokens and their <|im_end|>.
 
         turn_ends[i] is the length of ids after message i's turn (consecutive tool messages share one), so
-        callers can truncate at turn boundaries.
+        callers can truncate at turn boundaries. `prefill`: the start of the answer, written after the generation
+        prompt and encoded with it, as training encodes an answer (e.g. "<tool_call>\n" to make the model call).
         """
         ids: list[int] = []
         labelled: list[bool] = []
@@ -217,14 +218,15 @@ class Tokenizer:
             labelled.extend((is_assistant, False))
             turn_ends.extend([len(ids)] * count)
         if add_generation_prompt:
-            ids.extend([self.im_start_id] + self.encode("assistant\n" + THINKING_PROMPT[enable_thinking]))
+            ids.extend([self.im_start_id] + self.encode("assistant\n" + THINKING_PROMPT[enable_thinking] + prefill))
             labelled.extend([False] * (len(ids) - len(labelled)))
         return ids, labelled, turn_ends
 
     def chat_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None,
-                    enable_thinking: bool | None = None) -> list[int]:
-        """Ids of a conversation followed by the assistant header, ready for generation."""
-        return self.encode_chat(messages, add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking)[0]
+                    enable_thinking: bool | None = None, prefill: str = "") -> list[int]:
+        """Ids of a conversation followed by the assistant header (and `prefill`), ready for generation."""
+        return self.encode_chat(messages, add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking,
+                                prefill=prefill)[0]
 
     def stop_ids(self, chat: bool) -> list[int]:
         """Where generation ends: a chat answer at <|im_end|> (or a document end), raw text at <|endoftext|>."""

@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 from fastapi import Depends, FastAPI, Request
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.device import choose_dtype
 from common.errors import ConfigError
+from common.tool_calls import Event, Reply, ReplyStream, parse_reply
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import generate, load_model
 from model.inference import fit_chat, keep_recent, read_train_info
@@ -46,6 +47,7 @@ from .schema import (
     new_id,
     parse_request,
     sse,
+    tool_call_entry,
     usage,
     usage_chunk,
 )
@@ -176,9 +178,12 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
                                 "on the chat format; use /v1/completions", param="messages", code="wrong_endpoint")
         if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ; give one", param="max_tokens")
-        prompt, max_tokens = chat_prompt([m.as_dict() for m in req.messages],
+        tools, prefill = req.offered_tools, req.call_prefill
+        encode = partial(tok.chat_prompt, tools=tools, enable_thinking=req.enable_thinking, prefill=prefill)
+        prompt, max_tokens = chat_prompt([m.as_dict() for m in req.messages], encode,
                                          req.max_completion_tokens or req.max_tokens, req.truncate == "oldest_turns")
-        return await respond(request, req, [prompt], [max_tokens], chat=True)
+        reading = Reading(bool(tools), req.enable_thinking is True, prefill)
+        return await respond(request, req, [prompt], [max_tokens], reading)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
@@ -193,7 +198,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
                                 f"{len(req.prompt)}", param="prompt")
         max_tokens = req.max_tokens or 16  # OpenAI's default for text completions
         prompts = [text_prompt(p, i, max_tokens, req.truncate == "oldest_tokens") for i, p in enumerate(req.prompt)]
-        return await respond(request, req, prompts, [max_tokens] * len(prompts), chat=False)
+        return await respond(request, req, prompts, [max_tokens] * len(prompts), None)
 
     # ----------------------------------------------------------------------- helpers
     def check_model(name: str, param: str | None = "model") -> None:
@@ -216,8 +221,10 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
                              f"{max_tokens} in the completion). Please reduce the length of the {param} or "
                              f"completion{hint}.", param=param, code="context_length_exceeded")
 
-    def chat_prompt(messages: list[dict[str, str]], max_tokens: int | None, truncate: bool) -> tuple[list[int], int]:
-        """The conversation's ids (rendered with the checkpoint's chat template) and the completion budget."""
+    def chat_prompt(messages: list[dict], encode: Callable[[list[dict]], list[int]], max_tokens: int | None,
+                    truncate: bool) -> tuple[list[int], int]:
+        """The conversation's ids (rendered with the checkpoint's chat template by `encode`) and the completion
+        budget."""
         ctx = service.context
         if max_tokens is not None and max_tokens >= ctx:
             raise APIError(400, f"max_tokens: {max_tokens} leaves no room for a prompt in this model's "
@@ -225,10 +232,10 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         if truncate:
             # without max_tokens, a quarter of the context stays for the answer
             budget = ctx - (max_tokens if max_tokens is not None else max(1, ctx // 4))
-            _, ids, _ = fit_chat(messages, tok.chat_prompt, budget)
+            _, ids, _ = fit_chat(messages, encode, budget)
             ids, _ = keep_recent(ids, budget)  # the newest turn alone may still be too long
         else:
-            ids = tok.chat_prompt(messages)
+            ids = encode(messages)
         if max_tokens is None:
             max_tokens = ctx - len(ids)  # OpenAI's default: whatever the context leaves
         if max_tokens < 1 or len(ids) + max_tokens > ctx:
@@ -263,9 +270,10 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
                               stop=tuple(req.stop or ()), stop_ids=() if req.ignore_eos else tuple(tok.stop_ids(chat)))
 
     async def respond(request: Request, req: CommonRequest, prompts: list[list[int]], max_tokens: list[int],
-                      chat: bool) -> Response:
-        """Submit one engine request per prompt and answer with the whole result or a stream of chunks."""
-        n = req.n or 1
+                      reading: Reading | None) -> Response:
+        """Submit one engine request per prompt and answer with the whole result or a stream of chunks; a chat
+        answer (`reading` given) is read for reasoning and tool calls."""
+        n, chat = req.n or 1, reading is not None
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         handles: list[EngineRequest] = []
 
@@ -288,7 +296,7 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         id, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(events, handles, n, chat, id, created, include_usage),
+            return StreamingResponse(stream(events, handles, n, reading, id, created, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts = [[] for _ in range(len(prompts) * n)]
@@ -307,8 +315,11 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
         finally:
             cancel(handles)
-        build = chat_response if chat else completion_response
-        return JSONResponse(build(id, created, service.name, ["".join(t) for t in texts], reasons, usage(*counts)))
+        if reading is None:
+            return JSONResponse(completion_response(id, created, service.name, ["".join(t) for t in texts], reasons,
+                                                    usage(*counts)))
+        replies = [reading.read("".join(t)) for t in texts]
+        return JSONResponse(chat_response(id, created, service.name, replies, reasons, usage(*counts)))
 
     def cancel(handles: list[EngineRequest]) -> None:
         for h in handles:
@@ -336,17 +347,29 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
             left -= isinstance(e, RequestEnd)
         return out
 
-    async def stream(events: asyncio.Queue, handles: list[EngineRequest], n: int, chat: bool, id: str, created: int,
-                     include_usage: bool) -> AsyncIterator[bytes]:
-        """Server-sent events: per choice the role first (chat), then its text, then its finish_reason; then the
-        usage chunk (stream_options.include_usage) and [DONE]. When the client disconnects, Starlette cancels
-        this generator and `finally` cancels the requests."""
+    async def stream(events: asyncio.Queue, handles: list[EngineRequest], n: int, reading: Reading | None, id: str,
+                     created: int, include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events: per choice the role first (chat), then its text (a chat answer's read as it comes:
+        content, reasoning_content and tool_calls deltas), then its finish_reason; then the usage chunk
+        (stream_options.include_usage) and [DONE]. When the client disconnects, Starlette cancels this generator
+        and `finally` cancels the requests."""
+        chat = reading is not None
         def piece(index: int, **kw) -> bytes:
             return sse(chunk(chat, id, created, service.name, index, with_usage=include_usage, **kw))
+        readers = [reading.stream() for _ in range(len(handles) * n)] if reading else []
+        calls = [0] * len(readers)  # tool calls streamed per choice: their `index`
+        def pieces(index: int, read: list[Event]) -> list[bytes]:
+            out = []
+            for kind, value in read:
+                if kind == "call":
+                    out.append(piece(index, tool_call=tool_call_entry(value, calls[index])))  # type: ignore[arg-type]
+                    calls[index] += 1
+                else:
+                    out.append(piece(index, **{"text" if kind == "content" else "reasoning": value}))
+            return out
         try:
-            if chat:
-                for i in range(len(handles) * n):
-                    yield piece(i, role=True)
+            for i in range(len(readers)):
+                yield piece(i, role=True)
             left, counts = len(handles), [0, 0]
             while left:
                 # whatever arrived meanwhile goes out in one write: fewer sends when the loop falls behind
@@ -355,9 +378,14 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
                     batch.append(events.get_nowait())
                 for k, e in batch:
                     if isinstance(e, TextDelta):
-                        out.append(piece(k * n + e.index, text=e.text))
+                        i = k * n + e.index
+                        out += pieces(i, readers[i].push(e.text)) if chat else [piece(i, text=e.text)]
                     elif isinstance(e, ChoiceEnd):
-                        out.append(piece(k * n + e.index, finish_reason=e.finish_reason))
+                        i = k * n + e.index
+                        if chat:
+                            out += pieces(i, readers[i].finish())
+                        reason = "tool_calls" if chat and calls[i] else e.finish_reason
+                        out.append(piece(i, finish_reason=reason))
                     elif isinstance(e, RequestEnd):
                         counts[0] += e.prompt_tokens
                         counts[1] += e.completion_tokens
@@ -378,6 +406,26 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
 
 class ClientGone(Exception):
     """The client of a non-streamed request disconnected."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a chat answer is read (common/tool_calls.py): for tool calls when tools were offered, from inside a
+    <think> block when the prompt opened one, after the `prefill` the prompt ended with (a forced call's start,
+    part of the answer though the model did not generate it). An answer that neither calls nor thinks comes back
+    as generated."""
+
+    tools: bool
+    thinking: bool
+    prefill: str = ""
+
+    def stream(self) -> ReplyStream:
+        reader = ReplyStream(tools=self.tools, thinking=self.thinking)
+        reader.push(self.prefill)  # a call's opening: nothing to emit until the call closes
+        return reader
+
+    def read(self, text: str) -> Reply:
+        return parse_reply(self.prefill + text, thinking=self.thinking, tools=self.tools)
 
 
 async def read_json(request: Request, limit: int) -> dict:

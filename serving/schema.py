@@ -1,10 +1,11 @@
 """The OpenAI wire format: request models (pydantic), error bodies and response / stream-chunk builders.
 
 Fields follow the OpenAI API field for field; the extensions (`top_k`, `repetition_penalty`, `ignore_eos`,
-`truncate`) are plain body fields, which the official client sends through `extra_body`. Unknown fields are
-ignored, as other OpenAI-compatible servers do; known features this server cannot honour (log-probabilities,
-tools, JSON mode, presence/frequency penalties, logit bias, echo, suffix, best_of) are refused with a 400 rather
-than silently dropped.
+`truncate`, `enable_thinking`) are plain body fields, which the official client sends through `extra_body`.
+Unknown fields are ignored, as other OpenAI-compatible servers do; known features this server cannot honour
+(log-probabilities, JSON mode, presence/frequency penalties, logit bias, echo, suffix, best_of) are refused with a
+400 rather than silently dropped. Tools are offered to the model through the chat template; its calls come back
+as `tool_calls` (common/tool_calls.py reads them; a malformed one stays text).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.tokens import CHAT_ROLES
+from common.tool_calls import Reply, ToolCall
 
 MAX_STOP = 4  # as OpenAI
 
@@ -34,12 +36,17 @@ class APIError(Exception):
 
 # ------------------------------------------------------------------------------ requests
 class ChatMessage(BaseModel):
-    """One message; `content` is a string or a list of text parts, normalised to a string."""
+    """One message; `content` is a string or a list of text parts, normalised to a string. An assistant message
+    may carry the `tool_calls` it made (OpenAI's {"id", "type": "function", "function": {"name", "arguments"}},
+    arguments a JSON string) and its `reasoning_content`; a `tool` message answers a call (`tool_call_id`)."""
 
     model_config = ConfigDict(extra="ignore")
     role: str
     content: Any = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _normalise(self) -> ChatMessage:
@@ -48,6 +55,22 @@ class ChatMessage(BaseModel):
         if self.role not in CHAT_ROLES:
             raise ValueError(f"unknown role {self.role!r}; expected one of {list(CHAT_ROLES)} (or developer, read as "
                              "system)")
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise ValueError("tool_calls: only an assistant message carries them")
+            for call in self.tool_calls:
+                function = call.get("function", call)
+                args = function.get("arguments") if isinstance(function, dict) else None
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError:
+                        raise ValueError("tool_calls: function.arguments must be a JSON object (as a string)") \
+                            from None
+                if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]
+                        and isinstance(args, dict)):
+                    raise ValueError('tool_calls: each must be {"type": "function", "function": {"name": str, '
+                                     '"arguments": JSON object string}}')
         content = self.content
         if content is None and self.role == "assistant":
             content = ""
@@ -63,8 +86,14 @@ class ChatMessage(BaseModel):
         self.content = content
         return self
 
-    def as_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -127,18 +156,64 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it writes
     response_format: dict | None = None
+    enable_thinking: bool | None = Field(None, description="open (true) or close (false) the answer's <think> "
+                                                           "block in the prompt; the reasoning comes back as "
+                                                           "reasoning_content (Qwen's chat template switch)")
     truncate: Literal["none", "oldest_turns"] = Field(
         "none", description="oldest_turns: drop the oldest turns (never a leading system message) until the "
                             "conversation fits the context, instead of refusing it")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for tool in v or []:
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+                    function.get("name"), str) or not function["name"]:
+                raise ValueError('each tool must be {"type": "function", "function": {"name": str, "description", '
+                                 '"parameters"}}')
+        return v or None
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        choice, names = self.tool_choice, [t["function"]["name"] for t in self.tools or []]
+        if choice is None or choice in ("none", "auto"):
+            return self
+        if choice == "required" or isinstance(choice, dict):
+            if not names:
+                raise ValueError("tool_choice: asks for a tool call, but no tools are given")
+            if isinstance(choice, dict):
+                name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+                if name not in names:
+                    raise ValueError(f"tool_choice: {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                                     f"naming one of the tools ({', '.join(names)})")
+            return self
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                         '{"name": ...}}')
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt offers: none when tool_choice is "none"."""
+        return None if self.tool_choice == "none" else self.tools
+
+    @property
+    def call_prefill(self) -> str:
+        """The start of the answer that makes the model call: a required call opens a <tool_call> block, a named
+        one also writes the tool's name (the model writes the arguments)."""
+        if self.tool_choice == "required":
+            return "<tool_call>\n"
+        if isinstance(self.tool_choice, dict):
+            return '<tool_call>\n{"name": "' + self.tool_choice["function"]["name"] + '", "arguments": '
+        return ""
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
         if self.logprobs or self.top_logprobs:
             out.append(("logprobs", "log-probabilities are not supported"))
-        if self.tools:
-            out.append(("tools", "tool calls are not supported"))
         if self.response_format and self.response_format.get("type", "text") != "text":
             out.append(("response_format", "only text responses are supported"))
         return out
@@ -209,10 +284,34 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_response(id: str, created: int, model: str, texts: list[str], reasons: list[str | None],
+def tool_call_entry(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call as OpenAI returns it: an id, type "function", the name and the arguments as a JSON string (with an
+    `index` in a streamed delta)."""
+    entry: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                             "function": {"name": call.name, "arguments": json.dumps(call.arguments,
+                                                                                     ensure_ascii=False)}}
+    return entry if index is None else {"index": index, **entry}
+
+
+def reply_message(reply: Reply | str) -> dict[str, Any]:
+    """An answer's message: its text, or a read reply's content, tool calls (content null beside them, as
+    OpenAI) and reasoning_content."""
+    if isinstance(reply, str):
+        return {"role": "assistant", "content": reply}
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
+    if reply.calls:
+        message["tool_calls"] = [tool_call_entry(c) for c in reply.calls]
+    return message
+
+
+def chat_response(id: str, created: int, model: str, replies: list[Reply | str], reasons: list[str | None],
                   counts: dict[str, int]) -> dict:
-    choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-               for i, (t, r) in enumerate(zip(texts, reasons))]
+    """A chat completion; a choice whose reply made tool calls finishes with "tool_calls"."""
+    choices = [{"index": i, "message": reply_message(t), "logprobs": None,
+                "finish_reason": "tool_calls" if isinstance(t, Reply) and t.calls else r}
+               for i, (t, r) in enumerate(zip(replies, reasons))]
     return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": counts}
 
@@ -226,13 +325,19 @@ def completion_response(id: str, created: int, model: str, texts: list[str], rea
 
 
 def chunk(chat: bool, id: str, created: int, model: str, index: int, text: str | None = None,
-          finish_reason: str | None = None, role: bool = False, with_usage: bool = False) -> dict:
-    """One streamed chunk for one choice: chat chunks carry a `delta` (the role first, then content), text
-    completion chunks a `text`. With stream_options.include_usage every chunk has "usage": null."""
+          finish_reason: str | None = None, role: bool = False, with_usage: bool = False,
+          reasoning: str | None = None, tool_call: dict[str, Any] | None = None) -> dict:
+    """One streamed chunk for one choice: chat chunks carry a `delta` (the role first, then content, reasoning
+    or a tool call), text completion chunks a `text`. With stream_options.include_usage every chunk has
+    "usage": null."""
     if chat:
-        delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}

@@ -182,11 +182,11 @@ def test_engine_cancel_queue_limits_and_bad_requests():
 
 
 # ----------------------------------------------------------------------- real servers
-def make_run(root: Path, stage: str, seed: int) -> Path:
+def make_run(root: Path, stage: str, seed: int, **config) -> Path:
     """A model directory as training leaves it: tiny vocab-6400 model (a large init makes greedy text vary),
     the default tokenizer and train_info.json with its stage."""
     torch.manual_seed(seed)
-    model = PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3))
+    model = PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3, **config))
     save_model(model, root, tokenizer_dir=DEFAULT_TOKENIZER_DIR)
     (root / "train_info.json").write_text(json.dumps({"stage": stage}))
     return root

@@ -1,9 +1,9 @@
 """Downstream evaluation (--eval_tasks): at every evaluation, the benchmark tasks scored as eval_model.py --tasks
-scores them (model/scoring.py: ranked choices by log-likelihood, bits per byte, or answers generated greedily),
-on the first --eval_task_items items of each, into metrics.jsonl (task/<name>/acc, acc_norm, centred, bpb or
-stated, and tasks_centred, the chance-centred average of the ranked-choice tasks), TensorBoard and wandb. Every
-rank scores its share of the items and the sums are added up, so several ranks log what one process would (and no
-rank runs a forward alone).
+scores them (model/scoring.py: ranked choices by log-likelihood, bits per byte, answers generated greedily, or
+tool use), on the first --eval_task_items items of each, into metrics.jsonl (task/<name>/acc, acc_norm, centred,
+bpb, stated, a tool task's call_valid, call_tool, call_acc and bare_acc, and tasks_centred, the chance-centred
+average of the ranked-choice tasks), TensorBoard and wandb. Every rank scores its share of the items and the sums
+are added up, so several ranks log what one process would (and no rank runs a forward alone).
 """
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ class DownstreamEval(Component):
     def describe(self) -> dict[str, Any]:
         if not self.tasks:
             return {}
-        pairs = sum(len(item.pairs) for task in self.tasks if task.kind != "generate" for item in task.items)
-        tokens = sum(item.max_new_tokens for task in self.tasks if task.kind == "generate" for item in task.items)
+        pairs = sum(len(item.pairs) for task in self.tasks if task.kind in ("choice", "bpb") for item in task.items)
+        # a tool item: a reply per round of calls and one without tools
+        tokens = sum(item.max_new_tokens * (getattr(item, "max_rounds", 0) + 1 + (task.kind == "tools"))
+                     for task in self.tasks if task.kind in ("generate", "tools") for item in task.items)
         cost = [f"{pairs} continuations scored"] if pairs else []
         cost += [f"up to {tokens} tokens generated"] if tokens else []
         return {"eval_tasks": {task.name: len(task.items) for task in self.tasks},
@@ -51,7 +53,9 @@ class DownstreamEval(Component):
         step = trainer.state.step
         record: dict[str, Any] = {"step": step}
         for s in scores:
-            values = {"acc": s.acc, "acc_norm": s.acc_norm, "centred": s.centred, "bpb": s.bpb, "stated": s.stated}
+            values = {"acc": s.acc, "acc_norm": s.acc_norm, "centred": s.centred, "bpb": s.bpb, "stated": s.stated,
+                      "call_valid": s.call_valid, "call_tool": s.call_tool, "call_acc": s.call_acc,
+                      "bare_acc": s.bare_acc}
             record.update({f"task/{s.name}/{k}": round(v, 5) for k, v in values.items() if v is not None})
         average = centred_average(scores)
         if average is not None:
