@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI) over the batching engine: /v1/models, /v1/chat/completions,
 /v1/completions and /health, and a chat page at / (serving/static/: plain HTML, CSS and JavaScript that call the
-API from the browser; the page loads without the API key, its requests send it).
+API from the browser; the page loads without the API key, its requests send it), with /tools and /tools/run: the
+bundled tools the page offers the model and runs when it calls them.
 
 Every failure a client can cause is answered in OpenAI's error shape with its status (400 bad request, 401 bad
 key, 404 unknown model or route, 413 body too large, 503 + Retry-After when the queue is full), never with a
@@ -28,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.device import choose_dtype
 from common.errors import ConfigError
-from common.tool_calls import Event, Reply, ReplyStream, parse_reply
+from common.tool_calls import Event, Reply, ReplyStream, ToolCall, parse_reply
+from common.tools import run_tool, tool_schemas
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import generate, load_model
 from model.inference import fit_chat, keep_recent, read_train_info
@@ -159,6 +161,26 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": service.name, "prompt_format": service.prompt_format, **engine.snapshot()}
+
+    # The bundled tools (common/tools.py), for the chat page: an OpenAI server never runs a client's tools, so the
+    # page runs these through the server (pure functions of a fixed registry; a bad call comes back as an error
+    # result, as the model would read it).
+    @app.get("/tools", dependencies=[Depends(authorize)])
+    async def list_tools() -> dict:
+        return {"tools": tool_schemas()}
+
+    @app.post("/tools/run", dependencies=[Depends(authorize)])
+    async def call_tool(request: Request) -> dict:
+        body = await read_json(request, max_body_bytes)
+        name, arguments = body.get("name"), body.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise APIError(400, 'expected {"name": str, "arguments": object or JSON object string}', param="name")
+        return {"content": run_tool(ToolCall(name, arguments))}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def list_models() -> dict:

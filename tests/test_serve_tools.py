@@ -8,6 +8,7 @@ prompt encoding, the engine's decode loop, streaming, the reading of the reply) 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from contextlib import contextmanager
@@ -50,10 +51,12 @@ def pieces(text: str) -> list[str]:
 
 @contextmanager
 def scripted(server, *replies: str) -> Iterator[list[list[int]]]:
-    """The next requests' text: `replies` in order (one per request), a piece per generated token; yields the
-    prompts the engine was given. Requests must ask for max_tokens=tokens(reply) and ignore_eos."""
+    """The next requests' text: `replies` in order (one per request), a piece per generated token, each request
+    running exactly as many tokens as its reply has pieces (its max_tokens and stop ids overridden); yields the
+    prompts the engine was given."""
     engine = server.engine
-    queue = [p for reply in replies for p in pieces(reply)]
+    queue: list[str] = []
+    script = list(replies)
     prompts: list[list[int]] = []
     real_decode, real_submit = engine.decode, engine.submit
 
@@ -62,6 +65,8 @@ def scripted(server, *replies: str) -> Iterator[list[list[int]]]:
 
     def submit(ids, params, n, deliver):
         prompts.append(list(ids))
+        queue[:] = pieces(script.pop(0))
+        params = dataclasses.replace(params, max_tokens=len(queue), stop_ids=(), stop=())
         return real_submit(ids, params, n, deliver)
 
     engine.decode, engine.submit = decode, submit
@@ -72,9 +77,8 @@ def scripted(server, *replies: str) -> Iterator[list[list[int]]]:
 
 
 def ask(server, reply: str, messages=ASK, stream: bool = False, **kw):
-    """One chat completion whose model text is `reply`."""
-    args = dict(model="tool-model", messages=messages, max_tokens=len(pieces(reply)), temperature=0,
-                extra_body={"ignore_eos": True, **kw.pop("extra_body", {})}, **kw)
+    """One chat completion whose model text is `reply` (it ends by length: no stop id is generated)."""
+    args = dict(model="tool-model", messages=messages, max_tokens=64, temperature=0, **kw)
     with scripted(server, reply) as prompts:
         out = server.client.chat.completions.create(**args, stream=stream)
         out = list(out) if stream else out
@@ -116,7 +120,7 @@ def test_the_openai_tool_loop_round_trip(server, tok):
     answer = "6 * 7 = 42. The answer is 42."
     second, prompt = ask(server, answer, messages=messages, tools=TOOLS)
     assert second.choices[0].message.content == answer and not second.choices[0].message.tool_calls
-    assert second.choices[0].finish_reason == "length"  # ignore_eos: the budget ended it
+    assert second.choices[0].finish_reason == "length"  # the script ran to its end: no stop id
     expected = ASK + [{"role": "assistant", "content": "", "tool_calls": [
         {"name": "calculator", "arguments": {"expression": "6 * 7"}}]}, {"role": "tool", "content": result}]
     assert prompt == tok.chat_prompt(expected, tools=TOOLS)  # the call and its result, rendered as trained

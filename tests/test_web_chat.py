@@ -27,7 +27,8 @@ import torch
 from conftest import ROOT  # first: it puts the repository on sys.path (for a run as a script)
 
 # isort: split
-from test_serve import KEY, make_run, serve, wait_until
+from test_serve import KEY, load_tok, make_run, serve, wait_until
+from test_serve_tools import CALL, scripted
 
 PACKAGES = ["chromium", "chromium-driver"]
 FONTS = ["fonts-wqy-microhei"]  # a small CJK font, so that screenshots show Chinese (the tests read the DOM)
@@ -361,6 +362,47 @@ def test_a_pretrain_checkpoint_says_it_needs_an_sft_checkpoint(runs, browser):
         assert page.text("model-name") == "text-model" and page.text("model-format") == "(text)"
         assert "needs an SFT checkpoint" in page.text("notice")
         assert not page.el("send").is_enabled() and not page.el("prompt").is_enabled()
+
+
+@pytest.fixture(scope="module")
+def tool_chat(tmp_path_factory):
+    """A chat model with room for the bundled tools' signatures in its prompt (about 750 tokens)."""
+    run = make_run(tmp_path_factory.mktemp("web-tools") / "tool-model", "sft", 3, max_position_embeddings=1024)
+    with serve(run) as s:
+        yield s
+
+
+@pytest.mark.slow  # starts chromium
+def test_tool_calls_and_thinking_are_shown_collapsed_and_the_calls_run(tool_chat, browser, tmp_path):
+    page = ChatPage(browser, tool_chat.url).open()
+    page.wait(lambda: not page.js("return document.getElementById('tools-setting').hidden"))
+    page.el("use-tools").click()
+    answer = "6 * 7 = 42. The answer is 42."
+    with scripted(tool_chat, "<think>\nThe user asks for a product.\n</think>\n\n" + CALL, answer) as prompts:
+        reply = page.send("What is 6 * 7?")
+    assert reply is not None and reply["text"] == answer and not page.error()
+    assert [m["role"] for m in page.messages()] == ["user", "assistant", "assistant"]  # the call, then the answer
+    assert page.messages()[1]["text"] == ""  # the first reply only thought and called
+    blocks = page.js("""return [...document.querySelectorAll('#messages details')].map(d => ({
+        kind: d.className, open: d.open, summary: d.querySelector('summary').textContent,
+        body: [...d.querySelectorAll('.reasoning, pre')].map(e => e.textContent)}))""")
+    assert blocks == [
+        {"kind": "thinking", "open": False, "summary": "Thinking", "body": ["The user asks for a product."]},
+        {"kind": "tool-call", "open": False, "summary": "Tool call: calculator",
+         "body": ['{"expression": "6 * 7"}', '{"result": 42}']}]
+    tok = load_tok()
+    first, second = (tok.decode(p) for p in prompts)
+    assert "<tools>" in first and '"name": "calculator"' in first  # the bundled tools were offered
+    assert CALL in second and '<tool_response>\n{"result": 42}\n</tool_response>' in second  # and answered
+    page.el("messages").find_element("css selector", "details.tool-call summary").click()  # opens on a click
+    assert page.js("return document.querySelector('details.tool-call').open")
+    page.screenshot(tmp_path / "web-chat-tools.png")
+
+    # the next turn sends the whole exchange again: the call and its result stay in the history
+    with scripted(tool_chat, "You are welcome.") as prompts:
+        assert page.send("Thanks!")["text"] == "You are welcome."
+    again = tok.decode(prompts[0])
+    assert CALL in again and '{"result": 42}' in again and answer in again
 
 
 # ------------------------------------------------------------------------------ docs/serving.md's screenshot
