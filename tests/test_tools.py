@@ -362,3 +362,71 @@ def test_bundled_answers_are_the_tools_results_and_calls_fit_the_question():
 def test_bundled_conversations_fit_the_recipe_context(tokenizer):
     longest = max(len(tokenizer.encode_chat(r["conversations"])[0]) for r in records("tools_sft.jsonl"))
     assert longest <= 672  # recipes/demo-tool-sft.yaml's max_seq_len: nothing is cut
+
+
+# ---------------------------------------------------------------------- eval_model.py --tools
+def saved_model(root, stage: str):
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
+    from model import PocketLM, save_model
+    save_model(PocketLM(tiny_config(vocab_size=6400, max_position_embeddings=2048)), root,
+               tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    (root / "train_info.json").write_text(json.dumps({"stage": stage}))
+    return root
+
+
+def scripted_eval(monkeypatch, replies: list[str]) -> list[list[int]]:
+    """eval_model's generation replaced by `replies` in turn (the last one repeated); returns the prompts."""
+    import eval_model
+    prompts: list[list[int]] = []
+
+    def new_ids(self, batch, max_new_tokens, on_text=None):
+        prompts.extend(batch)
+        return [self.tok.encode(replies.pop(0) if len(replies) > 1 else replies[0]) for _ in batch]
+
+    monkeypatch.setattr(eval_model.Evaluator, "new_ids", new_ids)
+    return prompts
+
+
+def test_eval_model_tools_runs_the_calls_and_prints_each_turn(tmp_path, monkeypatch, capsys, tokenizer):
+    import eval_model
+    run = saved_model(tmp_path / "chat", "sft")
+    prompts = scripted_eval(monkeypatch, ["<think>\nuse it\n</think>\n\n" + call_text("calculator", {
+        "expression": "6 * 7"}), "6 * 7 = 42. The answer is 42."])
+    assert eval_model.main(["--checkpoint", str(run), "--tools", "--prompt", "What is 6 * 7?"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [">>> What is 6 * 7?", "[thinking] use it", '[tool call] calculator({"expression": "6 * 7"})',
+                   '[tool result] {"result": 42}', "6 * 7 = 42. The answer is 42."]
+    first, second = (tokenizer.decode(p) for p in prompts)
+    assert all(f'"name": "{name}"' in first for name in BUNDLED)  # every bundled tool offered
+    assert '<tool_response>\n{"result": 42}\n</tool_response>' in second
+
+
+def test_eval_model_tools_stops_at_the_round_cap(tmp_path, monkeypatch, capsys):
+    import eval_model
+    run = saved_model(tmp_path / "chat", "sft")
+    scripted_eval(monkeypatch, [call_text("calculator", {"expression": "1 + 1"})])
+    assert eval_model.main(["--checkpoint", str(run), "--tools", "--max_tool_rounds", "2", "--prompt", "loop"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("[tool result]") == 2 and captured.out.count("[tool call]") == 3
+    assert "stopped after 2 rounds of tool calls" in captured.err
+
+
+def test_eval_model_tools_needs_a_chat_checkpoint_and_a_generation_mode(tmp_path, capsys):
+    import eval_model
+    text_run = saved_model(tmp_path / "text", "pretrain")
+    assert eval_model.main(["--checkpoint", str(text_run), "--tools", "--prompt", "hi"]) == 2
+    assert "--tools needs a chat checkpoint" in capsys.readouterr().err
+    assert eval_model.main(["--checkpoint", str(text_run), "--tools", "--ppl", str(DEMO / "tools_sft.jsonl")]) == 2
+    assert "--tools: with --prompt or --chat" in capsys.readouterr().err
+
+
+def test_a_tool_task_file_scores_through_eval_model(tmp_path, capsys):
+    import eval_model
+    run = saved_model(tmp_path / "chat", "sft")
+    out = tmp_path / "scores.json"
+    assert eval_model.main(["--checkpoint", str(run), "--task_file", str(DEMO / "tools_heldout.jsonl"), "--limit",
+                            "4", "--out", str(out)]) == 0
+    assert "| tools_heldout | 4 |" in capsys.readouterr().out
+    [task] = json.loads(out.read_text())["tasks"]
+    assert task["items"] == 4 and {"call_acc", "bare_acc", "call_valid"} <= set(task)
+    assert len(task["samples"]) == 4 and all("turns" in s for s in task["samples"])
