@@ -4,6 +4,7 @@ advantages, and the checked rewards."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 
@@ -156,6 +157,19 @@ def test_built_in_rewards_check_the_answer_the_format_and_the_length():
     hedged = [completion("The answer is 12. The answer is 4."), completion("答案是 12。 The answer is 12.")]
     _, parts = score(terms, hedged)
     assert parts["exact"].tolist() == [0, 1] and parts["format"].tolist() == [0, 0]
+
+
+def test_tool_call_reward_checks_the_first_call_against_the_records():
+    record = {"answer": "42", "tool_call": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}
+    def call(tool: str, **arguments) -> str:
+        return "<tool_call>\n" + json.dumps({"name": tool, "arguments": arguments}) + "\n</tool_call>"
+    texts = [call("calculator", expression="6*7"), call("calculator", expression="6 + 7"),
+             call("lookup_element", name="6"), "The answer is 42.", call("calculator", expression="6 * 7")[:-5],
+             call("calculator", expression="6 * 7") + "\n<tool_call>\n{oops}\n</tool_call>"]
+    done = [Completion(t, 10, 20, record) for t in texts]
+    _, parts = score(parse_reward("tool_call"), done)
+    assert parts["tool_call"].tolist() == [1, 0, 0, 0, 0, 0]  # right; arguments; tool; no call; cut off; malformed
+    assert score(parse_reward("tool_call"), [Completion(texts[0], 10, 20, {"answer": "42"})])[0].item() == 0
 
 
 def test_a_users_reward_function_from_a_file(tmp_path):

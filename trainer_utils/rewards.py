@@ -9,6 +9,10 @@ A reward spec is a comma-separated list of terms, each optionally weighted: "exa
              completion that states several different numbers ("The answer is 3. The answer is 4.") gets 0:
              otherwise listing guesses pays, and a policy learns to
     format   1 when the completion states one answer in the taught format ("... The answer is 12."), else 0
+    tool_call
+             1 when the completion's first tool call is the record's "tool_call" ({"name", "arguments"}, compared
+             as common/tool_calls.same_call compares them) and no call is malformed, else 0 (the prompts of
+             dataset/demo/tools_heldout.jsonl carry it)
     length   0 up to LENGTH_FREE of the budget, then falling linearly to -1 at the whole budget (a completion
              cut off by the budget gets -1): long rambling answers cost
     FILE.py:FUNCTION
@@ -35,6 +39,7 @@ import torch
 from common.answers import judge, stated_numbers
 from common.errors import ConfigError
 from common.files import require_package
+from common.tool_calls import parse_reply, same_call
 from dataset.jsonl import prompt_messages
 
 LENGTH_FREE = 0.5  # the share of the token budget a completion may use before the length term costs anything
@@ -67,12 +72,19 @@ def stated(c: Completion) -> float:
     return float(len(stated_numbers(c.text)) == 1)
 
 
+def tool_call(c: Completion) -> float:
+    call, reply = c.record.get("tool_call"), parse_reply(c.text)
+    if not isinstance(call, dict) or not reply.calls or reply.malformed:
+        return 0.0
+    return float(same_call(reply.calls[0], call.get("name"), call.get("arguments") or {}))
+
+
 def length(c: Completion) -> float:
     free = LENGTH_FREE * c.budget
     return -min(1.0, max(0.0, (c.tokens - free) / (c.budget - free))) if c.budget > free else 0.0
 
 
-BUILTIN: dict[str, RewardFn] = {"exact": exact, "format": stated, "length": length}
+BUILTIN: dict[str, RewardFn] = {"exact": exact, "format": stated, "length": length, "tool_call": tool_call}
 
 
 @dataclass(frozen=True)
