@@ -10,7 +10,7 @@ DEMO_SFT_STEPS ?= 150
 DEMO_PLAN_FLAGS := $(if $(and $(filter file,$(origin DEMO_PRETRAIN_STEPS)),$(filter file,$(origin DEMO_SFT_STEPS))),,--as-given)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: install install-dev test test-fast lint demo demo-post demo-rl demo-moe bench
+.PHONY: install install-dev test test-fast lint demo demo-post demo-rl demo-tools demo-moe bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
@@ -96,6 +96,16 @@ demo-rl: install
 		--init_from $(DEMO_OUT)/demo-math-sft
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-grpo $(MATH_HELDOUT)
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-grpo
+
+# Tool calling on the demo SFT model (after `make demo`): SFT on the bundled tool-call set
+# (recipes/demo-tool-sft.yaml), its held-out tool-call accuracy and answers with and without tools, then a
+# question answered through the bundled tools (docs/tools.md).
+demo-tools: install
+	$(PYTHON) train_full_sft.py --config recipes/demo-tool-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-sft
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-tool-sft --task_file dataset/demo/tools_heldout.jsonl
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-tool-sft --tools --temperature 0 --max_new_tokens 64 \
+		--prompt "What is 347 * 29?" --prompt "2026-03-14 之后 45 天是哪一天？"
 
 # A mixture of experts on the demo corpus (recipes/demo-moe-pretrain.yaml: the demo model's shape, 8 experts top-2 at the
 # dense model's compute), then the same with auxiliary-loss-free balancing; perplexity and each layer's router load

@@ -224,3 +224,14 @@ def test_bench_rollouts_compares_batched_with_one_at_a_time(tmp_path):
     assert report["batched_tokens_per_s"] > 0 and report["one_at_a_time_tokens_per_s"] > 0
     assert report["speedup"] == pytest.approx(report["batched_tokens_per_s"] / report["one_at_a_time_tokens_per_s"],
                                               rel=0.01)
+
+
+def test_bench_tool_serving_times_reading_against_a_pass_through(tmp_path):
+    """The same streamed tool-offering request, read for tool calls and passed through, on a real server."""
+    out = tmp_path / "tools.json"
+    assert bench_module("bench_tool_serving").main(["--checkpoint", str(tmp_path / "none"), "--requests", "2",
+                                                    "--max_tokens", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["requests_each"] == 2 and "cores" in report["machine"]
+    assert report["ratio"] == pytest.approx(report["median_s_read"] / report["median_s_pass_through"], rel=0.01)
+    assert 0 < report["reader_us_per_token"] < 1000
