@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -371,6 +372,9 @@ def _decoder_fields(hf: dict, need: Callable[[bool, str], None]) -> dict:
     trained = max_pos
     if scaling:
         trained = scaling.get("original_max_position_embeddings") or max(1, round(max_pos / scaling["factor"]))
+        # the context the scaling is for, which some configs leave at the original (Qwen's YaRN: 32768 and 4 x
+        # 32768): PocketLM's rotary tables must cover it
+        max_pos = max(max_pos, math.ceil(scaling["factor"] * trained))
     return dict(vocab_size=hf["vocab_size"], hidden_size=d, num_hidden_layers=hf["num_hidden_layers"],
                 num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
                 max_position_embeddings=max_pos, max_seq_len=min(trained, max_pos, 2048), rope_scaling=scaling,
