@@ -314,16 +314,18 @@ def parse_rope_scaling(text: str) -> dict[str, Any]:
 def with_rope_scaling(config: ModelConfig, scaling: dict[str, Any]) -> ModelConfig:
     """`config` with RoPE scaling `scaling` (replacing any it had), for inference.
 
-    YaRN's original_max_position_embeddings defaults to the training context (max_seq_len): the positions the
-    model has seen. max_position_embeddings becomes factor x that context, the context the scaling is for: the
+    YaRN's original_max_position_embeddings defaults to the training context: the one a scaling the config
+    already has names (an imported YaRN model's), else max_seq_len, the positions the model has seen.
+    max_position_embeddings becomes factor x that context, the context the scaling is for: the
     rotary tables and KV caches cover it, and beyond it positions would be extrapolated again (transformers
     reads the same ratio from an export's config.json).
     """
     scaling = dict(scaling)
+    trained = (config.rope_scaling or {}).get("original_max_position_embeddings", config.max_seq_len)
     if scaling.get("rope_type") == "yarn":
-        scaling.setdefault("original_max_position_embeddings", config.max_seq_len)
+        scaling.setdefault("original_max_position_embeddings", trained)
     check_rope_scaling(scaling)
-    original = scaling.get("original_max_position_embeddings", config.max_seq_len)
+    original = scaling.get("original_max_position_embeddings", trained)
     return dataclasses.replace(config, rope_scaling=scaling,
                                max_position_embeddings=math.ceil(scaling["factor"] * original))
 

@@ -79,6 +79,12 @@ def test_load_time_scaling_sets_the_longer_context(tmp_path):
     # the weights are the model's, whatever the scaling
     assert all(torch.equal(a, b) for a, b in zip(linear.state_dict().values(), model.state_dict().values())
                if a.shape == b.shape)
+    # a model that has a scaling, scaled again: still from the context it was trained at
+    rescaled, _ = load_model(tmp_path / "m", config=with_rope_scaling(
+        tiny_config(max_seq_len=32), {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}),
+        rope_scaling=parse_rope_scaling("yarn:4"))
+    assert rescaled.config.rope_scaling["original_max_position_embeddings"] == 64
+    assert rescaled.config.max_position_embeddings == 256
     # a config with a scaling saves and loads as it is
     save_model(yarn, tmp_path / "scaled")
     again, _ = load_model(tmp_path / "scaled")
