@@ -35,7 +35,9 @@ from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import load_model
 from model.generate import SamplingConfig
 from model.inference import (
+    ContextConfig,
     DeviceConfig,
+    describe_rope_scaling,
     fit_chat,
     keep_recent,
     pack_documents,
@@ -66,7 +68,8 @@ class Evaluator:
     def __init__(self, config: EvalConfig, device: torch.device) -> None:
         task, self.sampling = config.task, config.sampling
         dtype = choose_dtype(config.device.dtype, device, "inference").dtype
-        self.model, model_dir = load_model(task.checkpoint, device=device, dtype=dtype)
+        self.model, model_dir = load_model(task.checkpoint, device=device, dtype=dtype,
+                                           rope_scaling=config.context.scaling())
         self.prompt_format = task.prompt_format or read_train_info(model_dir)["prompt_format"]
         self.is_chat = self.prompt_format == "chat"
         self.system = task.system
@@ -91,7 +94,7 @@ class Evaluator:
                    f"{cfg.num_experts_per_tok}" + (f" + {cfg.num_shared_experts} shared" if cfg.num_shared_experts
                                                    else "")) if cfg.moe else ""
         print(f"loaded {model_dir} (prompt format {self.prompt_format}, {self.model.num_parameters() / 1e6:.2f}M "
-              f"params{experts}, {device}, {dtype_name(dtype)})", file=sys.stderr)
+              f"params{experts}, {device}, {dtype_name(dtype)}{describe_rope_scaling(cfg)})", file=sys.stderr)
 
     def complete(self, prompts: list[list[int]], stream: bool = False) -> list[str]:
         """Generate a completion per prompt; with stream=True (one prompt) print it as it is produced."""
@@ -239,12 +242,22 @@ class Evaluator:
         print(task_table(scores), flush=True)
         return scores
 
-    def perplexity(self, path: str, limit: int | None = None) -> None:
+    def perplexity(self, path: str, limit: int | None = None, window: int | None = None) -> None:
         """Token-weighted perplexity and bits per byte of a {"text"} or {"conversations"} JSONL file (its first
-        `limit` records when given)."""
+        `limit` records when given), in windows of `window` tokens: by default the training context, or for a
+        model with RoPE scaling the context it was scaled to."""
+        cfg = self.model.config
+        length = window or (cfg.max_position_embeddings if cfg.rope_scaling else cfg.max_seq_len)
+        if length > cfg.max_position_embeddings:
+            raise ConfigError(f"--ppl_window {length} is beyond the model's max_position_embeddings "
+                              f"({cfg.max_position_embeddings}); --rope_scaling TYPE:FACTOR sets it to FACTOR x the "
+                              f"training context ({cfg.max_seq_len})")
+        if length > cfg.max_seq_len and cfg.rope_scaling is None:
+            note(f"--ppl_window {length} is longer than the training context ({cfg.max_seq_len}) and RoPE is not "
+                 "scaled: positions past it are extrapolated (--rope_scaling)")
         first = next(read_records(path, "any", self.skip_bad_lines))[1]
         kind = "text" if "text" in first else "conversations"  # the first record decides; others must match
-        report, length = SkipReport(), self.model.config.max_seq_len
+        report = SkipReport()
         records = [r[kind] for _, r in islice(read_records(path, kind, self.skip_bad_lines, report), limit)]
         if kind == "text":  # documents joined by <|endoftext|>, cut into training-style windows
             windows = pack_documents((self.tok.encode(t) + [self.tok.eot_id] for t in records), length)
@@ -257,7 +270,7 @@ class Evaluator:
             note(report.summary())
         scope = "assistant tokens" if kind == "conversations" else "tokens"
         print(f"ppl {s.ppl:.4f} | bits/byte {s.bits_per_byte:.4f} | loss {s.loss:.6f} nats/token | "
-              f"{s.tokens} {scope}, {s.bytes} bytes, {len(records)} records from {path}")
+              f"{s.tokens} {scope}, {s.bytes} bytes, {len(records)} records from {path}, {length}-token windows")
         if router is not None:
             router.close()
             print("\n".join(router.lines()))
@@ -294,6 +307,10 @@ class EvalTask:
                                   metavar="F.jsonl", several=True)
     limit: int | None = option(None, "--tasks / --task_file: the first N items of each task; --ppl: the first N "
                                      "records", at_least=1)
+    ppl_window: int | None = option(None, "--ppl: tokens per scored window (default: the training context, or "
+                                          "with --rope_scaling the context it scales to); longer than the "
+                                          "training context measures how the model does past it", at_least=1,
+                                    metavar="N")
     task_batch_size: int = option(16, "--tasks / --task_file: continuations scored (or answers generated) per "
                                       "forward", at_least=1)
 
@@ -327,6 +344,7 @@ class EvalConfig:
     task: EvalTask
     sampling: SamplingConfig
     device: DeviceConfig
+    context: ContextConfig
     sweep: SweepConfig
 
     def check(self) -> None:
@@ -337,6 +355,9 @@ class EvalConfig:
             modes.append("--tasks/--task_file")  # one mode: both may be given together
         elif self.task.limit is not None and not self.task.ppl:
             raise ConfigError("--limit: only with --tasks, --task_file or --ppl")
+        if self.task.ppl_window is not None and not self.task.ppl:
+            raise ConfigError("--ppl_window: only with --ppl")
+        self.context.scaling()  # a bad --rope_scaling is reported before the model loads
         sweep = self.sweep
         if sweep.sweep:
             if len(sweep.sweep) > 1:
@@ -391,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--max_new_tokens {config.sampling.max_new_tokens} leaves no room for a prompt "
                               f"(max_position_embeddings {ev.model.config.max_position_embeddings})")
         if task.ppl:
-            ev.perplexity(task.ppl, task.limit)
+            ev.perplexity(task.ppl, task.limit, task.ppl_window)
         elif tasks:
             scores = ev.tasks(tasks, task.task_batch_size)
             if config.sweep.out:

@@ -21,7 +21,7 @@ import sys
 from common.config import parse_config
 from common.device import dtype_name
 from common.errors import PocketLMError
-from model.inference import resolve_device
+from model.inference import describe_rope_scaling, resolve_device
 from serving.config import ServeConfig, is_loopback
 
 
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = "/v1/chat/completions" if service.prompt_format == "chat" else "/v1/completions"
     print(f"serving {service.name} ({service.model_dir}, prompt format {service.prompt_format}, "
           f"{engine.model.num_parameters() / 1e6:.2f}M params, {engine.device}, "
-          f"{dtype_name(engine.dtype)}, context {service.context}/{cfg.max_position_embeddings}, "
+          f"{dtype_name(engine.dtype)}, context {service.context}/{cfg.max_position_embeddings}"
+          f"{describe_rope_scaling(cfg)}, "
           f"max_batch_size {engine.max_batch_size}) on http://{host}:{port}{endpoint}"
           + (f"; chat page: http://{host}:{port}/" if service.prompt_format == "chat" else ""), file=sys.stderr,
           flush=True)

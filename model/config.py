@@ -49,6 +49,11 @@ class ModelConfig:
     # Longest sequence generation may reach. RoPE extrapolates past max_seq_len; learned positions cannot.
     max_position_embeddings: int = 32768
     rope_theta: float = switch(1e4, "architecture", "RoPE base frequency (default: the preset's, 10000)", above=0)
+    # RoPE scaling for contexts longer than the one trained, in transformers' format (what the HF and GGUF exports
+    # write, and what llama.cpp reads back): None, {"rope_type": "linear", "factor": F} or {"rope_type": "yarn",
+    # "factor": F, "original_max_position_embeddings": N, ...}. Chosen when a model is loaded (with_rope_scaling,
+    # eval_model.py / serve_openai_api.py --rope_scaling), not when it trains: the weights are the same.
+    rope_scaling: dict[str, Any] | None = None
     norm_eps: float = 1e-5
     dropout: float = switch(0.0, "training", "dropout probability (default: the model's, 0 for presets); takes "
                                              "effect with --init_from too", at_least=0, below=1)
@@ -135,6 +140,11 @@ class ModelConfig:
         for name in ("qk_norm", "zero_init_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None:
+            if self.position_embedding != "rope":
+                raise ConfigError("rope_scaling applies to RoPE models; this one has position_embedding="
+                                  f"{self.position_embedding!r}")
+            check_rope_scaling(self.rope_scaling)
         if self.qk_norm and self.norm != "rmsnorm":
             raise ConfigError(f"qk_norm normalises queries and keys with RMSNorm (as Qwen3 and OLMo 2 do); it needs "
                               f"norm='rmsnorm', got norm={self.norm!r}")
@@ -240,6 +250,86 @@ class ModelConfig:
         return cls.from_dict(d, source=str(path))
 
 
+# ------------------------------------------------------------------ RoPE scaling
+ROPE_SCALING_TYPES = ("linear", "yarn")
+# The keys each type may carry, named and meant as in transformers' rope_parameters (modeling_rope_utils.py):
+# YaRN's beta_fast / beta_slow bound the ramp between extrapolated and interpolated frequencies (default 32 / 1),
+# attention_factor scales cos and sin (default 0.1 ln(factor) + 1, or from mscale / mscale_all_dim when both are
+# given), truncate rounds the ramp's ends to whole dimensions (default true).
+ROPE_SCALING_KEYS = {"linear": ("rope_type", "factor"),
+                     "yarn": ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                              "attention_factor", "mscale", "mscale_all_dim", "truncate")}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_rope_scaling(scaling: Any) -> None:
+    """Raise ConfigError unless `scaling` is a RoPE scaling PocketLM computes (see ModelConfig.rope_scaling)."""
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling must be an object such as {{\"rope_type\": \"yarn\", \"factor\": 4, "
+                          f"\"original_max_position_embeddings\": 512}}, got {scaling!r}")
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING_TYPES:
+        raise ConfigError(f"rope_scaling: rope_type {kind!r} is not supported; expected one of {ROPE_SCALING_TYPES}")
+    unknown = sorted(set(scaling) - set(ROPE_SCALING_KEYS[kind]))
+    if unknown:
+        raise ConfigError(f"rope_scaling: unknown keys {unknown} for {kind}; expected a subset of "
+                          f"{list(ROPE_SCALING_KEYS[kind])}")
+    factor = scaling.get("factor")
+    if not _is_number(factor) or factor < 1:
+        raise ConfigError(f"rope_scaling: factor must be a number >= 1 (the context is stretched, never shrunk), "
+                          f"got {factor!r}")
+    if kind == "linear":
+        return
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ConfigError("rope_scaling: yarn needs original_max_position_embeddings, the context the model was "
+                          f"trained at (a positive integer), got {original!r}")
+    for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        if name in scaling and (not _is_number(scaling[name]) or scaling[name] <= 0):
+            raise ConfigError(f"rope_scaling: {name} must be a positive number, got {scaling[name]!r}")
+    if scaling.get("beta_fast", 32) < scaling.get("beta_slow", 1):
+        raise ConfigError(f"rope_scaling: beta_fast ({scaling.get('beta_fast', 32)}) must be at least beta_slow "
+                          f"({scaling.get('beta_slow', 1)})")
+    if not isinstance(scaling.get("truncate", True), bool):
+        raise ConfigError(f"rope_scaling: truncate must be true or false, got {scaling['truncate']!r}")
+
+
+def parse_rope_scaling(text: str) -> dict[str, Any]:
+    """--rope_scaling's value, "linear:F" or "yarn:F", as a scaling without YaRN's original context (which
+    with_rope_scaling takes from the model)."""
+    kind, _, factor = text.strip().lower().partition(":")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = None
+    if kind not in ROPE_SCALING_TYPES or value is None or not math.isfinite(value) or value < 1:
+        raise ConfigError(f"--rope_scaling {text!r}: expected TYPE:FACTOR with TYPE linear or yarn and FACTOR a "
+                          "number >= 1 (e.g. yarn:4 or linear:2)")
+    return {"rope_type": kind, "factor": value}
+
+
+def with_rope_scaling(config: ModelConfig, scaling: dict[str, Any]) -> ModelConfig:
+    """`config` with RoPE scaling `scaling` (replacing any it had), for inference.
+
+    YaRN's original_max_position_embeddings defaults to the training context: the one a scaling the config
+    already has names (an imported YaRN model's), else max_seq_len, the positions the model has seen.
+    max_position_embeddings becomes factor x that context, the context the scaling is for: the
+    rotary tables and KV caches cover it, and beyond it positions would be extrapolated again (transformers
+    reads the same ratio from an export's config.json).
+    """
+    scaling = dict(scaling)
+    trained = (config.rope_scaling or {}).get("original_max_position_embeddings", config.max_seq_len)
+    if scaling.get("rope_type") == "yarn":
+        scaling.setdefault("original_max_position_embeddings", trained)
+    check_rope_scaling(scaling)
+    original = scaling.get("original_max_position_embeddings", trained)
+    return dataclasses.replace(config, rope_scaling=scaling,
+                               max_position_embeddings=math.ceil(scaling["factor"] * original))
+
+
 # ---------------------------------------------------------------------- presets
 # MiniMind shapes (vocab 6400, GQA with 2 KV heads) and a GPT-2-style 100M model with a 16384 vocabulary.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -336,9 +426,9 @@ def config_from_flags(flags: Any, vocab_size: int | None = None) -> ModelConfig:
                           flags.max_seq_len, **extra)
 
 
-# what does not fix the network's shape and kind: the tokenizer's size, how long it trains and generates, and
-# the init and training switches
-NOT_ARCHITECTURE = ("vocab_size", "max_position_embeddings", "gradient_checkpointing",
+# what does not fix the network's shape and kind: the tokenizer's size, how long it trains and generates (and
+# how RoPE stretches to longer contexts), and the init and training switches
+NOT_ARCHITECTURE = ("vocab_size", "max_position_embeddings", "rope_scaling", "gradient_checkpointing",
                     *switches("context", "init", "training"))
 
 

@@ -3,6 +3,10 @@
     python -m model.convert --checkpoint out/<run> --out_dir hf_dir        # -> LlamaForCausalLM / GPT2LMHeadModel
     python -m model.convert --from_hf hf_dir --out_dir pocketlm_dir         # <- same shapes back
 
+--rope_scaling yarn:4 (or linear:2) exports the model stretched to 4x its training context: config.json's
+rope_scaling (and rope_parameters), which transformers and llama.cpp's converter read; --to gguf writes llama.cpp's
+rope.scaling keys. Imports read linear and YaRN scalings back.
+
 The export writes safetensors + config.json (+ generation_config.json and tokenizer files) directly, so it
 needs no `transformers` install and the result loads with AutoModelForCausalLM without remote code. A Llama-style
 model with QK-norm (qk_norm) exports as Qwen3ForCausalLM, Llama's decoder with q_norm / k_norm in every attention
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -63,7 +68,14 @@ from common.device import DTYPES, dtype_name
 from common.errors import TokenizerError
 
 from .checkpoint import load_model
-from .config import ConfigError, ModelConfig, get_preset
+from .config import (
+    ROPE_SCALING_TYPES,
+    ConfigError,
+    ModelConfig,
+    check_rope_scaling,
+    get_preset,
+    parse_rope_scaling,
+)
 from .gguf import OUTTYPES, export_gguf
 from .loading import (
     ADAPTER_WEIGHTS_NAME,
@@ -267,12 +279,18 @@ def _moe_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], kind: s
 
 # ---------------------------------------------------------------------- config mapping
 def _decoder_config(cfg: ModelConfig) -> dict:
-    """The config.json fields a Llama-family decoder (GQA attention, rotate_half RoPE, RMSNorm) shares."""
+    """The config.json fields a Llama-family decoder (GQA attention, rotate_half RoPE, RMSNorm) shares.
+
+    RoPE scaling is written twice: transformers 5 reads rope_parameters (rope_theta inside), transformers 4 and
+    llama.cpp's convert_hf_to_gguf.py read rope_scaling (transformers 5 too, which prefers it when both are
+    there: they are the same scaling)."""
+    scaling = {k: float(v) if k in ("factor", "attention_factor") else v for k, v in (cfg.rope_scaling or {}).items()}
+    rope = {"rope_type": "default", **scaling, "rope_theta": cfg.rope_theta}
     return {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "attention_dropout": 0.0}
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+            **({"rope_scaling": scaling} if scaling else {}), "attention_dropout": 0.0}
 
 
 def _moe_config(cfg: ModelConfig, kind: str) -> dict:
@@ -341,19 +359,47 @@ HF_DEFAULTS = {"llama": (1e-6, 1e4, 2048, False), "qwen3": (1e-6, 1e4, 32768, Fa
 def _decoder_fields(hf: dict, need: Callable[[bool, str], None]) -> dict:
     """ModelConfig fields of a Llama-family transformers config (GQA attention, plain RoPE, RMSNorm, SiLU)."""
     eps, theta, max_pos, tie = HF_DEFAULTS[hf["model_type"]]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    need(rope.get("rope_type", rope.get("type", "default")) == "default",
-         f"rope scaling {rope} (only plain RoPE is implemented)")
+    # transformers 5 prefers rope_scaling when both are given (configuration_utils: convert_rope_params_to_dict)
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    need(isinstance(rope, dict), f"rope_scaling={rope!r} (expected an object)")
+    max_pos = hf.get("max_position_embeddings", max_pos)
+    scaling = _rope_scaling_from_hf(rope, max_pos, need)
     need(hf.get("hidden_act", "silu") == "silu", f"hidden_act={hf.get('hidden_act')} (expected silu)")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     need(hf.get("head_dim") in (None, d // heads), f"head_dim={hf.get('head_dim')} != hidden/heads")
-    max_pos = hf.get("max_position_embeddings", max_pos)
+    # the context the model was trained at, max_seq_len: YaRN names it; a linear scaling stretched it by its factor
+    # to max_position_embeddings (what PocketLM's exports write, and the usual convention)
+    trained = max_pos
+    if scaling:
+        trained = scaling.get("original_max_position_embeddings") or max(1, round(max_pos / scaling["factor"]))
+        # the context the scaling is for, which some configs leave at the original (Qwen's YaRN: 32768 and 4 x
+        # 32768): PocketLM's rotary tables must cover it
+        max_pos = max(max_pos, math.ceil(scaling["factor"] * trained))
     return dict(vocab_size=hf["vocab_size"], hidden_size=d, num_hidden_layers=hf["num_hidden_layers"],
                 num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
-                max_position_embeddings=max_pos, max_seq_len=min(max_pos, 2048),
+                max_position_embeddings=max_pos, max_seq_len=min(trained, max_pos, 2048), rope_scaling=scaling,
                 rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", theta))),
                 norm_eps=hf.get("rms_norm_eps", eps), tie_word_embeddings=hf.get("tie_word_embeddings", tie),
                 initializer_range=hf.get("initializer_range", 0.02))
+
+
+def _rope_scaling_from_hf(rope: dict, max_pos: int, need: Callable[[bool, str], None]) -> dict | None:
+    """ModelConfig.rope_scaling of a transformers rope_scaling / rope_parameters dict: None for plain RoPE, linear
+    and YaRN as they are (YaRN's original context defaulting, as in transformers, to max_position_embeddings),
+    any other type refused."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    need(kind in ROPE_SCALING_TYPES, f"rope scaling {rope} (PocketLM computes plain RoPE, linear and yarn)")
+    scaling = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
+    scaling["rope_type"] = kind
+    if kind == "yarn":
+        scaling.setdefault("original_max_position_embeddings", max_pos)
+    try:
+        check_rope_scaling(scaling)
+    except ConfigError as e:
+        need(False, f"rope scaling {rope}: {e}")
+    return scaling
 
 
 def from_hf_config(hf: dict, source: str, state: dict[str, torch.Tensor] | None = None) -> ModelConfig:
@@ -452,11 +498,12 @@ def _qwen2_moe_shared_experts(hf: dict, f: int, need: Callable[[bool, str], None
 
 # ----------------------------------------------------------------------------- drivers
 def export_hf(checkpoint: str | Path, out_dir: str | Path, config: ModelConfig | None = None,
-              dtype: torch.dtype = torch.float32) -> Path:
-    """Write a transformers-loadable directory for a PocketLM checkpoint; return out_dir."""
+              dtype: torch.dtype = torch.float32, rope_scaling: dict | None = None) -> Path:
+    """Write a transformers-loadable directory for a PocketLM checkpoint; return out_dir. rope_scaling (as
+    load_model takes it) is written into config.json, where transformers and llama.cpp's converter read it."""
     from safetensors.torch import save_file
 
-    model, model_dir = load_model(checkpoint, config=config)
+    model, model_dir = load_model(checkpoint, config=config, rope_scaling=rope_scaling)
     cfg = model.config
     token_ids = special_token_ids(model_dir)
     state = model.state_dict()
@@ -641,13 +688,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="config.json for a bare weights file")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of exported weights (default float32; "
                                                             "--to gguf takes --outtype)")
+    p.add_argument("--rope_scaling", metavar="TYPE:FACTOR",
+                   help="with --checkpoint: export with RoPE scaled to FACTOR x the training context, linear:FACTOR "
+                        "or yarn:FACTOR (as eval_model.py's flag), written as config.json's rope_scaling or GGUF's "
+                        "rope.scaling keys")
     args = p.parse_args(argv)
     try:
         _check_flags(args)
         dtype = DTYPES[args.dtype or "float32"]
+        scaling = parse_rope_scaling(args.rope_scaling) if args.rope_scaling else None
         if args.to == "gguf":
             config = get_preset(args.preset) if args.preset else ModelConfig.load(args.config) if args.config else None
-            done = export_gguf(args.checkpoint, args.out, outtype=args.outtype or "f32", config=config)
+            done = export_gguf(args.checkpoint, args.out, outtype=args.outtype or "f32", config=config,
+                               rope_scaling=scaling)
             note = "" if done.chat_template else "; no chat template in the tokenizer files"
             print(f"wrote GGUF to {done.path} ({done.architecture}, {done.outtype}, tokenizer from "
                   f"{done.tokenizer_dir}{note}; run with llama.cpp or `ollama create`)")
@@ -664,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
                   "<base> --out_dir, then load with PeftModel.from_pretrained)")
         else:
             config = get_preset(args.preset) if args.preset else ModelConfig.load(args.config) if args.config else None
-            out = export_hf(args.checkpoint, args.out_dir, config=config, dtype=dtype)
+            out = export_hf(args.checkpoint, args.out_dir, config=config, dtype=dtype, rope_scaling=scaling)
             architecture = json.loads((out / CONFIG_NAME).read_text())["architectures"][0]  # MoE: chosen by weights
             print(f"wrote transformers model to {out} ({architecture}; load with AutoModelForCausalLM.from_pretrained)")
     except (ConfigError, CheckpointError, TokenizerError) as e:
@@ -675,6 +728,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Combinations argparse cannot express, refused with one line each."""
+    if args.rope_scaling and not args.checkpoint or args.rope_scaling and args.peft_dir:
+        raise ConfigError("--rope_scaling applies to exports of a --checkpoint (--to hf or gguf); an imported "
+                          "model keeps its config.json's, adapters have none of their own")
     if args.to == "gguf":
         if not args.checkpoint:
             raise ConfigError("--to gguf exports a PocketLM --checkpoint (a LoRA run exports merged)")

@@ -15,6 +15,10 @@ What llama.cpp needs, and how each PocketLM piece maps onto it:
   q and k are reordered within each head, which leaves every attention score unchanged. `qwen3` rotates the
   halves as PocketLM does (NEOX RoPE), so its rows stay as they are (and so do the per-dimension weights of the
   QK-norms, which a reordering would have to follow).
+- RoPE scaling (rope_scaling, set when the model was loaded with --rope_scaling). `{arch}.rope.scaling.type`
+  linear or yarn, `.factor`, for YaRN `.original_context_length`, and `.attn_factor` when YaRN's attention factor is
+  not the default. llama.cpp then computes what transformers does (tested at 4x the training context); a YaRN ramp
+  other than beta_fast 32 / beta_slow 1 (truncated) is refused, llama.cpp would not follow it.
 - Tokenizer. Byte-level BPE with GPT-2's pre-tokenizer regex: tokenizer.ggml.model = "gpt2" and
   tokenizer.ggml.pre = "gpt-2" (llama.cpp's name for that regex; "gpt2" does not load). Tokens in id order,
   special ones as CONTROL, merges, bos/eos/pad/unk ids as tokenizer_config.json names them, no BOS added (PocketLM
@@ -36,7 +40,7 @@ from common.files import DEFAULT_TOKENIZER_DIR, read_json
 
 from .checkpoint import load_model
 from .config import ConfigError, ModelConfig
-from .model import interleave_rope_rows
+from .model import interleave_rope_rows, yarn_attention_factor, yarn_mscale
 
 OUTTYPES = ("f32", "f16", "q8_0")
 # tokenizer.ggml.pre for a byte-level BPE split by GPT-2's regex (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).
@@ -89,6 +93,19 @@ def gguf_architecture(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
                       f"and the GPT-2 style (layernorm/learned/gelu); this model has norm={cfg.norm}, "
                       f"position_embedding={cfg.position_embedding}, mlp={cfg.mlp}, bias={cfg.bias}, "
                       f"qk_norm={cfg.qk_norm}, num_experts={cfg.num_experts}")
+
+
+def check_gguf_rope_scaling(cfg: ModelConfig) -> None:
+    """ConfigError for a RoPE scaling llama.cpp would compute otherwise: for these architectures it ramps YaRN
+    between beta_fast = 32 and beta_slow = 1 (its yarn_beta_* keys are not read: measured with
+    llama-cpp-python 0.3.36) and always rounds the ramp's ends to whole dimensions."""
+    scaling = cfg.rope_scaling or {}
+    fixed = {"beta_fast": 32, "beta_slow": 1, "truncate": True}
+    other = {k: scaling[k] for k, v in fixed.items() if k in scaling and scaling[k] != v}
+    if other:
+        raise ConfigError(f"GGUF export: llama.cpp's YaRN uses beta_fast=32, beta_slow=1, truncate=true; this "
+                          f"model's rope_scaling sets {other}. Export it to transformers instead (--to hf), or "
+                          "load it with another --rope_scaling")
 
 
 def llama_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], arch: str = "llama") -> dict[str, torch.Tensor]:
@@ -212,8 +229,9 @@ def _tokenizer_dir(model_dir: Path, vocab_size: int) -> Path:
 
 # ------------------------------------------------------------------------------ writer
 def export_gguf(checkpoint: str | Path, out: str | Path, outtype: str = "f32",
-                config: ModelConfig | None = None) -> GGUFExport:
-    """Write a PocketLM checkpoint (run dir, model dir, weights file; a LoRA run merged) as one .gguf file."""
+                config: ModelConfig | None = None, rope_scaling: dict | None = None) -> GGUFExport:
+    """Write a PocketLM checkpoint (run dir, model dir, weights file; a LoRA run merged) as one .gguf file, with
+    RoPE scaled as rope_scaling says (load_model's argument; None: the checkpoint's own)."""
     if outtype not in OUTTYPES:
         raise ConfigError(f"unknown --outtype {outtype!r}; expected one of {list(OUTTYPES)}")
     out = Path(out)
@@ -224,10 +242,11 @@ def export_gguf(checkpoint: str | Path, out: str | Path, outtype: str = "f32",
     except ImportError:
         raise ConfigError("GGUF export needs the `gguf` package: pip install -r requirements.txt") from None
 
-    model, model_dir = load_model(checkpoint, config=config)
+    model, model_dir = load_model(checkpoint, config=config, rope_scaling=rope_scaling)
     cfg = model.config
     state = {k: v.detach().float() for k, v in model.state_dict().items()}  # bf16 weights upcast exactly
     arch = gguf_architecture(cfg, state)  # refuses what llama.cpp cannot compute before anything is written
+    check_gguf_rope_scaling(cfg)
     tokenizer_dir = _tokenizer_dir(model_dir, cfg.vocab_size)
     vocab = read_tokenizer(tokenizer_dir, cfg.vocab_size)
     tensors = gpt2_tensors(cfg, state) if arch == "gpt2" else llama_tensors(cfg, state, arch)
@@ -267,6 +286,8 @@ def _write(path: Path, arch: str, cfg: ModelConfig, vocab: dict, tensors: dict[s
         writer.add_layer_norm_rms_eps(cfg.norm_eps)
         writer.add_rope_freq_base(cfg.rope_theta)
         writer.add_rope_dimension_count(cfg.head_dim)
+        if cfg.rope_scaling is not None:
+            _write_rope_scaling(writer, cfg)
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
         if cfg.moe:
@@ -296,3 +317,24 @@ def _write(path: Path, arch: str, cfg: ModelConfig, vocab: dict, tensors: dict[s
         writer.write_tensors_to_file()
     finally:
         writer.close()
+
+
+def _write_rope_scaling(writer, cfg: ModelConfig) -> None:
+    """llama.cpp's keys for ModelConfig.rope_scaling (those its convert_hf_to_gguf.py writes for a config.json's
+    rope_scaling; check_gguf_rope_scaling refused what they cannot say)."""
+    import gguf
+
+    scaling = cfg.rope_scaling
+    writer.add_rope_scaling_factor(float(scaling["factor"]))
+    if scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    # llama.cpp multiplies cos and sin by attn_factor x (0.1 ln(factor) + 1): a YaRN attention factor other
+    # than that default (transformers' attention_factor, or DeepSeek's mscale / mscale_all_dim) is the ratio
+    # (measured: llama.cpp then matches transformers; its yarn_attn_factor key changes nothing for these
+    # architectures)
+    ratio = yarn_attention_factor(scaling) / yarn_mscale(float(scaling["factor"]))
+    if ratio != 1.0:
+        writer.add_rope_scaling_attn_factors(ratio)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Callable, ClassVar, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from common.errors import CheckpointError
 from common.files import TRAIN_INFO_NAME
 from common.tokens import IGNORE_INDEX
 
+from .config import ModelConfig, parse_rope_scaling
 from .generate import generate
 from .model import PocketLM, set_attention_policy
 from .stats import RouterLoad
@@ -66,6 +67,33 @@ class DeviceConfig:
                 "bf16, else fp32")
     device: str = option("auto", "auto (CUDA, else Apple MPS, else CPU) | cpu | cuda | cuda:N | mps",
                          metavar="DEVICE")
+
+
+@dataclass
+class ContextConfig:
+    """How a model is used past its training context: RoPE scaling, chosen when it is loaded (evaluation and
+    serving)."""
+
+    title: ClassVar[str] = "long context"
+    rope_scaling: str | None = option(
+        None, "stretch RoPE to FACTOR x the training context, whose length the model then takes: linear:FACTOR "
+              "(positions divided by FACTOR) or yarn:FACTOR (YaRN: slow frequencies interpolated, fast ones kept, "
+              "attention sharpened); default: the checkpoint's own (none for a trained one). Exported as "
+              "transformers' rope_scaling (docs/model.md)", metavar="TYPE:FACTOR")
+
+    def scaling(self) -> dict[str, Any] | None:
+        """--rope_scaling as ModelConfig.rope_scaling (for load_model), None when not given; a ConfigError for a
+        bad value, before anything loads."""
+        return parse_rope_scaling(self.rope_scaling) if self.rope_scaling is not None else None
+
+
+def describe_rope_scaling(config: ModelConfig) -> str:
+    """", RoPE yarn x4 (from 256 tokens)" for a model with rope_scaling, "" without (startup lines)."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        return ""
+    trained = scaling.get("original_max_position_embeddings", config.max_seq_len)
+    return f", RoPE {scaling['rope_type']} x{scaling['factor']:g} (trained at {trained} tokens)"
 
 
 def resolve_device(name: str | None = None) -> torch.device:

@@ -26,7 +26,7 @@ import torch.nn as nn
 from common.errors import CheckpointError, ConfigError
 from common.files import file_sha256, read_json
 
-from .config import ModelConfig
+from .config import ModelConfig, with_rope_scaling
 from .loading import (
     ADAPTER_WEIGHTS_NAME,
     CONFIG_NAME,
@@ -314,11 +314,12 @@ def _check_base(lora_json: Path, base: dict[str, str]) -> Path:
 
 
 def load_lora_model(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                    merge: bool = True) -> PocketLM:
+                    merge: bool = True, rope_scaling: dict[str, Any] | None = None) -> PocketLM:
     """Base (checked against its recorded hash) + adapters of a LoRA checkpoint, merged by default, in eval mode.
 
     Unmerged (merge=False) the base stays frozen and the adapters require grad, as apply_lora left them.
-    Everything is computed in fp32 and cast to `dtype` last, so a bf16 merge rounds once.
+    Everything is computed in fp32 and cast to `dtype` last, so a bf16 merge rounds once. rope_scaling: as
+    model.checkpoint.load_model's.
     """
     model_dir = resolve_model_dir(model_dir)
     spec, base = read_lora_config(model_dir)
@@ -326,7 +327,10 @@ def load_lora_model(model_dir: str | Path, device: torch.device | str = "cpu", d
     base_weights = _check_base(lora_json, base)
     # The run's own config.json (its max_seq_len may differ from the base's); the base's when there is none.
     config_path = model_dir / CONFIG_NAME if (model_dir / CONFIG_NAME).is_file() else base_weights.parent / CONFIG_NAME
-    model = model_with_weights(checkpoint_config(config_path), base_weights)
+    config = checkpoint_config(config_path)
+    if rope_scaling is not None:
+        config = with_rope_scaling(config, rope_scaling)
+    model = model_with_weights(config, base_weights)
     model.to(device=device)
     apply_lora(model, spec)
     adapters = model_dir / ADAPTER_WEIGHTS_NAME

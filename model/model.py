@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -43,16 +44,70 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 # ------------------------------------------------------------------ rotary positions
-def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (max_positions, head_dim), computed once in fp32.
 
     The "rotate_half" layout (frequencies repeated over both halves of the head) is the Hugging Face Llama
-    convention, so exported weights need no permutation of q/k rows.
+    convention, so exported weights need no permutation of q/k rows. `scaling` (ModelConfig.rope_scaling) stretches
+    the frequencies for contexts longer than the trained one, as transformers computes them.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    attention_factor = 1.0
+    if scaling is not None:
+        inv_freq, attention_factor = scaled_frequencies(inv_freq, head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    if attention_factor == 1.0:
+        return angles.cos(), angles.sin()
+    # Scaling cos and sin scales queries and keys alike, so every attention logit by attention_factor squared:
+    # YaRN's temperature, which keeps attention as sharp over the longer context as it was over the trained one.
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]
+                       ) -> tuple[torch.Tensor, float]:
+    """RoPE frequencies under `scaling` and the factor cos/sin are multiplied by (transformers'
+    _compute_linear_scaling_rope_parameters and _compute_yarn_parameters, same defaults).
+
+    linear: every frequency divided by the factor, i.e. positions interpolated into the trained range.
+    yarn: frequencies that turn many times within the original context (wavelengths short beside it) keep their
+    value, since the model has seen their every phase; those that turn less than once there are interpolated like
+    linear's; a ramp between beta_fast and beta_slow rotations blends the two.
+    """
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor, 1.0
+    original = scaling["original_max_position_embeddings"]
+
+    def dim_for(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times in `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_for(scaling.get("beta_fast", 32)), dim_for(scaling.get("beta_slow", 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp, without dividing by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1 for the fast dimensions, which keep their frequency
+    # in transformers' order of operations, so the tables agree to the last bit
+    interpolated = 1.0 / (factor * theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return interpolated * (1 - kept) + inv_freq * kept, yarn_attention_factor(scaling)
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times: 0.1 m ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """What a YaRN scaling multiplies cos and sin by: its attention_factor, else (as transformers does)
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given (DeepSeek), else mscale(factor)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -396,7 +451,7 @@ class PocketLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         if cfg.position_embedding == "rope":
             # Not persistent: derived from the config, so never stored in (or expected from) a checkpoint.
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()

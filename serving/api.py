@@ -88,7 +88,7 @@ def load_service(config: ServeConfig, device: torch.device) -> Service:
     wrap it in an engine (not started)."""
     m = config.model
     dtype = choose_dtype(config.device.dtype, device, "inference").dtype
-    model, model_dir = load_model(m.checkpoint, device=device, dtype=dtype)
+    model, model_dir = load_model(m.checkpoint, device=device, dtype=dtype, rope_scaling=config.context.scaling())
     prompt_format = m.prompt_format or read_train_info(model_dir)["prompt_format"]
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     if not has_tokenizer:

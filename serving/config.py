@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from common.config import option
 from common.errors import ConfigError
-from model.inference import DeviceConfig
+from model.inference import ContextConfig, DeviceConfig
 
 
 @dataclass
@@ -23,7 +23,8 @@ class ServedModel:
         None, "override train_info.json's prompt format: chat checkpoints answer /v1/chat/completions, text ones "
               "/v1/completions")
     max_model_len: int | None = option(None, "longest prompt + completion in tokens (default: the model's "
-                                             "max_position_embeddings); bounds the KV cache's memory", at_least=2)
+                                             "max_position_embeddings, which --rope_scaling sets); bounds the KV "
+                                             "cache's memory", at_least=2)
 
 
 @dataclass
@@ -60,10 +61,12 @@ class ServeConfig:
     server: ServerSettings
     batching: BatchingSettings
     device: DeviceConfig
+    context: ContextConfig
 
     def check(self) -> None:
         if self.model.checkpoint is None:
             raise ConfigError("--checkpoint is required")
+        self.context.scaling()  # a bad --rope_scaling is reported before the model loads
 
 
 def is_loopback(host: str) -> bool:

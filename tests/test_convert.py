@@ -10,6 +10,7 @@ import torch
 
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
 from model import CheckpointError, ConfigError, PocketLM, get_preset, load_model, save_model
+from model.config import parse_rope_scaling
 from model.convert import export_hf, from_hf_config, import_hf
 
 from conftest import ROOT, tiny_config
@@ -90,6 +91,74 @@ def test_import_transformers_gpt2(tmp_path):
         torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
 
 
+# ------------------------------------------------------------------------- RoPE scaling
+def _spread_model(cfg) -> PocketLM:
+    """_random_model with matrices 4x the init scale: attention is sharp, so positions (and how RoPE scaling
+    places them) move the logits by far more than the comparisons' tolerance."""
+    model = _random_model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4)
+    return model
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen3"])
+@pytest.mark.parametrize("spec", ["linear:2", "linear:4", "yarn:2", "yarn:4"])
+def test_rope_scaling_export_matches_transformers_past_the_training_context(spec, style, tmp_path):
+    """Exported with --rope_scaling, transformers computes our logits over the whole scaled context (factor x the
+    training context of 64); unscaled, both would be far off."""
+    model = _spread_model(CASES[f"{style}-gqa-tied"])
+    save_model(model, tmp_path / "ours")
+    scaling = parse_rope_scaling(spec)
+    export_hf(tmp_path / "ours", tmp_path / "hf", rope_scaling=scaling)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    kind, factor = spec.split(":")
+    assert written["rope_scaling"]["rope_type"] == written["rope_parameters"]["rope_type"] == kind
+    assert written["rope_scaling"]["factor"] == written["rope_parameters"]["factor"] == float(factor)
+    assert written["max_position_embeddings"] == 64 * int(factor)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours, _ = load_model(tmp_path / "ours", rope_scaling=scaling)
+    ids = torch.randint(0, 256, (2, 64 * int(factor)))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        torch.testing.assert_close(ours(ids), expected, atol=1e-4, rtol=0)
+        assert (model(ids) - expected).abs().max() > 0.1  # the unscaled model: what a dropped scaling would give
+
+
+@pytest.mark.parametrize("spec", ["linear:4", "yarn:4"])
+def test_rope_scaling_survives_a_round_trip_through_transformers(spec, tmp_path):
+    model = _spread_model(CASES["llama-gqa-tied"])
+    save_model(model, tmp_path / "ours")
+    export_hf(tmp_path / "ours", tmp_path / "hf", rope_scaling=parse_rope_scaling(spec))
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    back, _ = load_model(tmp_path / "back")
+    scaled, _ = load_model(tmp_path / "ours", rope_scaling=parse_rope_scaling(spec))
+    assert back.config.rope_scaling == scaled.config.rope_scaling
+    assert back.config.max_seq_len == 64 and back.config.max_position_embeddings == 256  # the training context
+    ids = torch.randint(0, 256, (1, 256))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), scaled(ids), atol=1e-6, rtol=0)
+
+
+def test_import_a_transformers_yarn_model(tmp_path):
+    """A transformers model configured with YaRN (non-default ramp and attention factor) imports and computes the
+    same logits."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 8.0,
+               "beta_slow": 0.5, "attention_factor": 1.2}
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_parameters={**scaling, "rope_theta": 1e4}, tie_word_embeddings=True)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    ours, _ = load_model(tmp_path / "ours")
+    assert ours.config.rope_scaling == scaling and ours.config.max_seq_len == 32
+    ids = torch.randint(0, 300, (2, 128))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
+
+
 LLAMA_HF = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                 num_attention_heads=8)
 GPT2_HF = dict(model_type="gpt2", vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128)
@@ -97,7 +166,10 @@ GPT2_HF = dict(model_type="gpt2", vocab_size=300, n_embd=64, n_layer=2, n_head=4
 
 @pytest.mark.parametrize("hf, message", [
     ({**LLAMA_HF, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),
-    ({**LLAMA_HF, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope scaling"),
+    ({**LLAMA_HF, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope scaling"),
+    ({**LLAMA_HF, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "factor must be a number >= 1"),
+    ({**LLAMA_HF, "rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1}}, "unknown keys"),
+    ({**LLAMA_HF, "rope_scaling": "yarn"}, "expected an object"),
     ({**LLAMA_HF, "attention_bias": True}, "attention/mlp biases"),
     ({**LLAMA_HF, "mlp_bias": True}, "attention/mlp biases"),
     ({**LLAMA_HF, "head_dim": 16}, "head_dim=16 != hidden/heads"),
@@ -247,6 +319,9 @@ def _convert(*args: str) -> subprocess.CompletedProcess:
     ("foreign", ["--checkpoint", "{d}/foreign.pth", "--preset", "tiny"], "expected a dict of parameter tensors"),
     ("custom", ["--checkpoint", "{d}/custom"], "no transformers class matches"),
     ("none", ["--from_hf", "{d}", "--out_dir", "{d}/x"], "no config.json"),
+    ("ours", ["--checkpoint", "{d}/ours", "--rope_scaling", "yarn:x"], "--rope_scaling 'yarn:x': expected"),
+    ("ours", ["--from_hf", "{d}/ours", "--rope_scaling", "yarn:4"], "--rope_scaling applies to exports"),
+    ("gpt2", ["--checkpoint", "{d}/gpt2", "--rope_scaling", "linear:2"], "rope_scaling applies to RoPE models"),
 ])
 @pytest.mark.slow  # starts a process
 def test_convert_cli_errors_are_one_line(tmp_path, setup, args, message):
@@ -258,6 +333,8 @@ def test_convert_cli_errors_are_one_line(tmp_path, setup, args, message):
         torch.save([1, 2, 3], tmp_path / "foreign.pth")
     elif setup == "custom":
         save_model(PocketLM(tiny_config(norm="layernorm")), tmp_path / "custom")
+    elif setup == "gpt2":
+        save_model(PocketLM(tiny_config("gpt2")), tmp_path / "gpt2")
     args = [a.format(d=tmp_path) for a in args]
     if "--out_dir" not in args:
         args += ["--out_dir", str(tmp_path / "hf_out")]

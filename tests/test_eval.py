@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import eval_model
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
 from model import CheckpointError, PocketLM, generate, load_model, save_model
+from model.config import parse_rope_scaling
 from model.inference import (
     PerplexityStats,
     StreamDecoder,
@@ -217,6 +218,53 @@ def test_ppl_on_text_matches_an_independent_computation(runs, tokenizer, tmp_pat
     assert got["loss"] == pytest.approx(nats / count, rel=BATCHED_REL)
     assert got["ppl"] == pytest.approx(math.exp(got["loss"]), rel=1e-5)  # the same loss, exponentiated
     assert got["bpb"] == pytest.approx(nats / 0.6931471805599453 / n_bytes, abs=1e-4)
+
+
+def test_ppl_with_rope_scaling_scores_windows_of_the_scaled_context(runs, tokenizer, tmp_path, capsys):
+    """--rope_scaling yarn:2 scores in windows of twice the training context (64) with the scaled model, and
+    --ppl_window picks other lengths up to it."""
+    texts = ["The quick brown fox jumps over the lazy dog. " * 30, "你好，世界。今天天气很好，我们去公园散步吧。" * 10]
+    data = write_jsonl(tmp_path / "long.jsonl", [{"text": t} for t in texts])
+    flags = ["--checkpoint", str(runs["pretrain"]), "--ppl", str(data), "--device", "cpu", "--dtype", "float32"]
+    assert eval_model.main([*flags, "--rope_scaling", "yarn:2"]) == 0
+    out = capsys.readouterr()
+    assert "128-token windows" in out.out and "RoPE yarn x2 (trained at 64 tokens)" in out.err
+    got = _parse_ppl(out.out)
+
+    stream = [i for t in texts for i in tokenizer.encode(t) + [tokenizer.eot_id]]
+    assert len(stream) > 3 * 128  # several windows, each past the training context
+
+    def loss(model, L: int) -> float:  # one forward per window of L inputs, as the training layout
+        nats = 0.0
+        with torch.no_grad():
+            for start in range(0, len(stream) - 1, L):
+                w = torch.tensor(stream[start:start + L + 1])
+                nats += F.cross_entropy(model(w[None, :-1])[0], w[1:], reduction="sum").item()
+        return nats / (len(stream) - 1)
+
+    scaled, _ = load_model(runs["pretrain"], rope_scaling=parse_rope_scaling("yarn:2"))
+    assert got["tokens"] == len(stream) - 1
+    assert got["loss"] == pytest.approx(loss(scaled, 128), rel=BATCHED_REL)
+    unscaled, _ = load_model(runs["pretrain"])
+    assert abs(loss(unscaled, 128) - got["loss"]) > 100 * BATCHED_REL * got["loss"]  # the scaling was applied
+
+    assert eval_model.main([*flags, "--rope_scaling", "yarn:2", "--ppl_window", "96"]) == 0
+    assert "96-token windows" in capsys.readouterr().out
+    assert eval_model.main([*flags, "--rope_scaling", "yarn:2", "--ppl_window", "129"]) == 2
+    assert "--ppl_window 129 is beyond the model's max_position_embeddings (128)" in capsys.readouterr().err
+    # without scaling, windows past the training context are scored, with a note that RoPE extrapolates there
+    assert eval_model.main([*flags, "--ppl_window", "128"]) == 0
+    out = capsys.readouterr()
+    assert _parse_ppl(out.out)["loss"] == pytest.approx(loss(unscaled, 128), rel=BATCHED_REL)
+    assert "longer than the training context (64) and RoPE is not scaled" in out.err
+
+
+def test_rope_scaling_flag_errors_come_before_loading(runs, capsys):
+    for args, message in ((["--rope_scaling", "yarn"], "--rope_scaling 'yarn': expected TYPE:FACTOR"),
+                          (["--ppl_window", "64", "--prompt", "x"], "--ppl_window: only with --ppl")):
+        assert eval_model.main(["--checkpoint", str(runs["pretrain"].parent / "missing"), *args]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], errors
 
 
 @pytest.mark.slow  # starts a process

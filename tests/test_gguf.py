@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from common.device import cpu_flags
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ConfigError, PocketLM, load_model, save_model
+from model.config import parse_rope_scaling
 from model.convert import main as convert_main
 from model.generate import generate
 from model.gguf import export_gguf
@@ -318,6 +319,58 @@ def test_qk_norm_model_exports_as_qwen3(llama_cpp, tmp_path, tokenizer, tied):
                 break
         assert len(ours) == 20 and theirs == ours, text
         assert len(set(ours)) > 10
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen3"])
+@pytest.mark.parametrize("spec", ["linear:2", "yarn:4", "yarn:4,attention_factor=1.3"])
+def test_rope_scaling_matches_llama_cpp_past_the_training_context(llama_cpp, tmp_path, style, spec):
+    """Exported with --rope_scaling, llama.cpp computes our logits over the whole scaled context (factor x the
+    training context of 64): linear, YaRN, and YaRN with its own attention factor (a checkpoint whose config
+    carries the scaling, exported as it is)."""
+    model = random_model(tiny_config(style, vocab_size=VOCAB, rope_theta=5e4, norm_eps=1e-5), scale=8)
+    save_model(model, tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    flag, _, extra = spec.partition(",")
+    scaling = parse_rope_scaling(flag)
+    if extra:
+        key, value = extra.split("=")
+        scaled, _ = load_model(tmp_path / "m", rope_scaling={**scaling, key: float(value)})
+        save_model(scaled, tmp_path / "scaled", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+        assert convert_main(["--checkpoint", str(tmp_path / "scaled"), "--to", "gguf", "--out",
+                             str(tmp_path / "m.gguf")]) == 0
+    else:
+        scaled, _ = load_model(tmp_path / "m", rope_scaling=scaling)
+        assert convert_main(["--checkpoint", str(tmp_path / "m"), "--to", "gguf", "--out", str(tmp_path / "m.gguf"),
+                             "--rope_scaling", flag]) == 0
+    n = scaled.config.max_position_embeddings
+    assert n == 64 * scaling["factor"]
+    llm = load(llama_cpp, tmp_path / "m.gguf", n_ctx=n)
+    meta = {k.removeprefix(f"{style}.rope.scaling."): v for k, v in llm.metadata.items()
+            if k.startswith(f"{style}.rope.scaling.")}
+    assert meta.pop("type") == scaling["rope_type"] and float(meta.pop("factor")) == scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        assert int(meta.pop("original_context_length")) == 64
+    if extra:  # llama.cpp multiplies this by its own 0.1 ln(factor) + 1
+        assert float(meta.pop("attn_factor")) == pytest.approx(1.3 / (0.1 * np.log(4) + 1))
+    assert not meta
+    ids = torch.randint(0, VOCAB, (n,)).tolist()
+    theirs = llama_logits(llm, ids)
+    diff = float(np.abs(theirs - our_logits(scaled, ids)).max())
+    print(f"{style} {spec}, {n} positions: max |logit diff| = {diff:.2e}")
+    assert diff < 1e-4
+    assert np.abs(theirs - our_logits(model, ids)).max() > 0.1  # unscaled logits: what a lost scaling would give
+
+
+def test_rope_scaling_llama_cpp_would_compute_otherwise_is_refused(tmp_path):
+    """llama.cpp ramps YaRN between 32 and 1 rotations, truncated, whatever the file says: other ramps are
+    refused, before anything is written."""
+    model = random_model(tiny_config("llama", vocab_size=VOCAB))
+    for extra in ({"beta_fast": 16.0}, {"beta_slow": 2.0}, {"truncate": False}):
+        scaled, _ = load_model(save_model(model, tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR),
+                               rope_scaling={"rope_type": "yarn", "factor": 4.0, **extra})
+        save_model(scaled, tmp_path / "scaled", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+        with pytest.raises(ConfigError, match="llama.cpp's YaRN uses beta_fast=32, beta_slow=1, truncate=true"):
+            export_gguf(tmp_path / "scaled", tmp_path / "x.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))
 
 
 def test_bf16_weights_and_a_padded_vocabulary(llama_cpp, tmp_path, tokenizer):

@@ -230,7 +230,7 @@ ERNIE_HF = dict(model_type="ernie4_5_moe", vocab_size=300, hidden_size=64, num_h
     ({**QWEN2_MOE_HF, "num_experts_per_tok": 1, "norm_topk_prob": True}, "top-1 routing with renormalised weights"),
     ({**QWEN2_MOE_HF, "shared_expert_intermediate_size": 60},
      "shared_expert_intermediate_size=60 is not a multiple of moe_intermediate_size=40"),
-    ({**QWEN2_MOE_HF, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope scaling"),
+    ({**QWEN2_MOE_HF, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0}}, "rope scaling"),
     ({**QWEN2_MOE_HF, "num_experts": 0}, "no experts"),
     ({**MIXTRAL_HF, "num_experts_per_tok": 1}, "top-1 routing with renormalised weights"),
     ({**MIXTRAL_HF, "sliding_window": 4096, "max_position_embeddings": 32768}, "sliding_window=4096"),
@@ -254,6 +254,12 @@ def test_transformers_moe_config_defaults_and_shared_expert_width():
     assert mixtral.intermediate_size == 192  # no dense width in Mixtral: PocketLM's default for d64
     qwen = from_hf_config(QWEN2_MOE_HF, "c")
     assert (qwen.num_shared_experts, qwen.norm_topk_prob, qwen.rope_theta) == (2, False, 1e4)
+    # YaRN reads as it does for dense models: its original context defaults to max_position_embeddings, and the
+    # context becomes factor x that
+    yarn = from_hf_config({**QWEN2_MOE_HF, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+                          "c")
+    assert yarn.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert yarn.max_position_embeddings == 4 * 32768
     ernie = from_hf_config(ERNIE_HF, "c")
     assert (ernie.num_shared_experts, ernie.norm_topk_prob, ernie.tie_word_embeddings) == (1, True, True)
     # an all-zero shared expert (what the export writes for a model without one) is no shared expert, whatever its

@@ -30,7 +30,7 @@ import uvicorn
 
 from common.config import parse_config
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
-from model import PocketLM, generate, save_model
+from model import PocketLM, generate, load_model, save_model
 from serving.api import create_app, load_service
 from serving.config import ServeConfig
 from serving.engine import (
@@ -343,6 +343,24 @@ def test_text_completions(text):
         c.completions.create(model="text-model", prompt=long, max_tokens=8)
     kept = c.completions.create(model="text-model", prompt=long, max_tokens=8, extra_body={"truncate": "oldest_tokens"})
     assert kept.usage.prompt_tokens == 256 - 8
+
+
+def test_rope_scaling_serves_the_scaled_model_over_its_context(runs):
+    """--rope_scaling linear:2: the served model is the scaled one, its context twice the training context (64),
+    and a prompt past the training context continues as the scaled model continues it."""
+    with serve(runs["pretrain"], api_key=None, rope_scaling="linear:2") as s:
+        assert s.engine.model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+        assert s.engine.max_model_len == 128
+        prompt = load_tok().encode("Once upon a time, " * 40)[:100]
+        assert len(prompt) == 100
+        r = s.client.completions.create(model="text-model", prompt=prompt, max_tokens=20, temperature=0)
+        scaled, _ = load_model(runs["pretrain"], rope_scaling={"rope_type": "linear", "factor": 2.0})
+        tok = load_tok()
+        new = generate(scaled, [prompt], max_new_tokens=20, temperature=0, eos_token_ids=tok.stop_ids(chat=False),
+                       pad_token_id=tok.pad_id)[0]
+        assert r.choices[0].text == tok.decode(new).rstrip("\ufffd")  # an unfinished character is held back
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 128"):
+            s.client.completions.create(model="text-model", prompt=prompt + prompt, max_tokens=8)
 
 
 def test_errors_are_openai_errors(chat, text):
