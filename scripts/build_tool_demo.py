@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from common.tool_calls import ToolCall  # noqa: E402
 from common.tools import BUNDLED, ELEMENTS, run_tool, tool_schemas  # noqa: E402
 
-NEW_TOKENS = 64  # the longest call or answer is about 50 tokens
+NEW_TOKENS = 128  # a reasoning and a call take up to about 100 tokens
 # (English singular, English plural, Chinese) of each unit of common/tools.py UNITS
 UNIT_NAMES = {
     "m": ("meter", "meters", "米"), "km": ("kilometer", "kilometers", "千米"),
