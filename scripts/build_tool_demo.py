@@ -231,7 +231,7 @@ def write(path: Path, records: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default=str(ROOT / "dataset" / "demo"))
-    p.add_argument("--train", type=int, default=2000, help="SFT conversations")
+    p.add_argument("--train", type=int, default=6000, help="SFT conversations")
     p.add_argument("--heldout", type=int, default=200, help="held-out questions")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
