@@ -98,16 +98,16 @@ demo-rl: install
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-grpo
 
 # Tool calling on the demo SFT model (after `make demo`): two SFT passes on the bundled tool-call set
-# (recipes/demo-tool-sft.yaml, then recipes/demo-tool-sft-2.yaml: about 40 minutes on 2 CPU cores), the held-out
+# (recipes/demo-tool-sft.yaml, then recipes/demo-tool-pass2-sft.yaml: about 40 minutes on 2 CPU cores), the held-out
 # tool-call accuracy and answers with and without tools, then questions answered through the bundled tools
 # (docs/tools.md).
 demo-tools: install
 	$(PYTHON) train_full_sft.py --config recipes/demo-tool-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
 		--init_from $(DEMO_OUT)/demo-sft
-	$(PYTHON) train_full_sft.py --config recipes/demo-tool-sft-2.yaml --out_dir $(DEMO_OUT) --overwrite \
+	$(PYTHON) train_full_sft.py --config recipes/demo-tool-pass2-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
 		--init_from $(DEMO_OUT)/demo-tool-sft
-	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-tool-sft-2 --task_file dataset/demo/tools_heldout.jsonl
-	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-tool-sft-2 --tools --temperature 0 --max_new_tokens 128 \
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-tool-pass2-sft --task_file dataset/demo/tools_heldout.jsonl
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-tool-pass2-sft --tools --temperature 0 --max_new_tokens 128 \
 		--prompt "What is 347 * 29?" --prompt "2026-03-14 之后 45 天是哪一天？"
 
 # A mixture of experts on the demo corpus (recipes/demo-moe-pretrain.yaml: the demo model's shape, 8 experts top-2 at the

@@ -2,8 +2,8 @@
 
     python eval_model.py --checkpoint out/<run> --prompt "Once upon a time"
     python eval_model.py --checkpoint out/<run> --chat --system "You are a helpful assistant."
-    python eval_model.py --checkpoint out/demo-tool-sft-2 --tools --prompt "What is 347 * 29?"
-    python eval_model.py --checkpoint out/demo-tool-sft-2 --task_file dataset/demo/tools_heldout.jsonl
+    python eval_model.py --checkpoint out/demo-tool-pass2-sft --tools --prompt "What is 347 * 29?"
+    python eval_model.py --checkpoint out/demo-tool-pass2-sft --task_file dataset/demo/tools_heldout.jsonl
     python eval_model.py --checkpoint out/<run> --ppl dataset/demo/pretrain_demo.jsonl
     python eval_model.py --checkpoint out/<run> --probes dataset/prompts/probes.tsv --temperature 0
     python eval_model.py --checkpoint out/<run> --sweep temperature=0.6:1.2:0.1 --out sweep.json --plot sweep.png
