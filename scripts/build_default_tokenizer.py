@@ -1,29 +1,46 @@
-"""Build PocketLM's shipped default tokenizer (model/tokenizer/) and measure its compression.
+"""Build PocketLM's shipped default tokenizer (model/tokenizer/) from a measured EN/ZH mix, and measure it.
 
-    python scripts/build_default_tokenizer.py                     # defaults below
-    python scripts/build_default_tokenizer.py --data_path bench.jsonl --out_dir /tmp/tok
+    python scripts/fetch_zh_docs.py                                  # modern Chinese (Debian's documentation)
+    python scripts/build_default_tokenizer.py                        # the shipped mix, into model/tokenizer/
+    python scripts/build_default_tokenizer.py --zh_share 0.5 --out_dir /tmp/tok --compare /path/to/minimind/model
 
-Input is a benchmark JSONL file, one {"text", "source", "lang"} document per line. Documents are split into
-train and held-out by a stable hash of their text (sha1), so the split does not depend on file order and a
-duplicated document always lands on the same side. A byte-level BPE (dataset.tokenizer.train_bpe) is trained
-on the train part only, saved with save_tokenizer, and then scored on the held-out part: characters per token
-and UTF-8 bytes per token, per "lang" (en, zh) and overall, as ratios of totals (sum of characters / sum of
-tokens). The numbers and everything needed to reproduce them go to <out_dir>/compression.json.
+Input is JSONL files of {"text", "source", "lang"} documents: the benchmark corpus (../shared/corpora) and the
+modern Chinese of scripts/fetch_zh_docs.py. Every document is put on the train or the held-out side by a stable
+hash of its text (sha1), so the split does not depend on file order and a duplicated document always lands on
+the same side. The training text is a mix of three groups, each reached by sampling its documents (a stable hash
+again) or, for a group smaller than its share, repeating them:
 
-The file is read twice, streaming (once to train, once to score); no more than one batch of held-out
-documents is held in memory.
+    en          English documents                               (1 - zh_share) of --train_mb
+    zh-classic  Chinese documents from classical sources          zh_share x (1 - zh_modern_share)
+                (the corpus's chinese-poetry: source "poetry:...")
+    zh-modern   every other Chinese document                      zh_share x zh_modern_share
+
+A byte-level BPE (dataset.tokenizer.train_bpe) is trained on that mix, saved with save_tokenizer and scored on
+text it never saw (UTF-8 bytes and characters per token, ratios of totals):
+
+    en, zh            the held-out documents of each language
+    zh-modern         the held-out documents of the modern Chinese sources
+    chat-en, chat-zh  the bundled SFT conversations (dataset/demo/sft_demo.jsonl: chatterbot, Debian's and
+                      Python's FAQs; sources no tokenizer here trains on), their messages' text
+
+--compare DIR scores another tokenizer (MiniMind's model/ directory, say) on the same text. The numbers and
+everything needed to reproduce them go to <out_dir>/compression.json. scripts/sweep_tokenizer_mix.py trains
+this over a grid of mixes; the defaults below are the mix it chose (docs/tokenizer.md).
+
+The train side is held in memory while the mix is drawn (about 1 GB for the 226 MB corpus).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import math
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,29 +56,116 @@ from dataset.tokenizer import (  # noqa: E402
     train_bpe,
 )
 
-DEFAULT_DATA_PATH = "/work/data/bench/pretrain_bench.jsonl"
+DEFAULT_DATA_PATHS = ["/work/data/bench/pretrain_bench.jsonl", "/work/data/zh_docs/zh_docs.jsonl"]
+CHAT_PATH = ROOT / "dataset" / "demo" / "sft_demo.jsonl"
+CLASSICAL_SOURCES = ("poetry",)  # source prefixes (before ":") of classical Chinese
+GROUPS = ("en", "zh-classic", "zh-modern")
+# the shipped mix (scripts/sweep_tokenizer_mix.py, docs/tokenizer.md)
+ZH_SHARE = 0.6
+ZH_MODERN_SHARE = 0.6
+TRAIN_MB = 70.0
 SAMPLES = ("Hello, PocketLM! The quick brown fox jumps over the lazy dog.",
            "你好，世界。床前明月光，疑是地上霜。",
            "emoji 👩‍💻🚀🎉 and mixed 中文 text\n\twith <|im_end|> inside")
 
 
+def text_hash(text: str, salt: bytes = b"") -> float:
+    """A stable number in [0, 1) for a text (sha1 of salt + UTF-8 text, its first 8 bytes)."""
+    return int.from_bytes(hashlib.sha1(salt + text.encode("utf-8")).digest()[:8], "big") / 2**64
+
+
 def is_heldout(text: str, heldout_percent: float) -> bool:
     """True for about heldout_percent % of texts, decided by the sha1 of the UTF-8 text (stable across runs)."""
-    h = int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:8], "big")
-    return h < heldout_percent / 100 * 2**64
+    return text_hash(text) < heldout_percent / 100
 
 
-def iter_split(path: str | Path, heldout: bool, heldout_percent: float, skip_bad_lines: bool,
-               report: SkipReport | None = None) -> Iterator[dict[str, Any]]:
-    """The records of one side of the split (held-out if `heldout`, else train), in file order."""
-    for _, record in read_records(path, "text", skip_bad_lines=skip_bad_lines, report=report):
-        if is_heldout(record["text"], heldout_percent) == heldout:
-            yield record
+def group_of(record: dict[str, Any]) -> str:
+    """The mix group of a document: en, zh-classic or zh-modern (other languages: their own name)."""
+    lang = str(record.get("lang", "unknown"))
+    if lang != "zh":
+        return lang
+    classic = str(record.get("source", "")).split(":")[0] in CLASSICAL_SOURCES
+    return "zh-classic" if classic else "zh-modern"
+
+
+@dataclass
+class Split:
+    """The corpus divided: train texts by mix group, held-out records, and what was read."""
+
+    train: dict[str, list[str]] = field(default_factory=dict)
+    heldout: list[dict[str, Any]] = field(default_factory=list)
+    files: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+
+
+def read_split(paths: Iterable[str | Path], heldout_percent: float, skip_bad_lines: bool = False) -> Split:
+    """Read every file once into the train and held-out sides (DataError names a bad file and line)."""
+    split = Split()
+    for path in map(check_path, paths):
+        report = SkipReport()
+        for _, record in read_records(path, "text", skip_bad_lines=skip_bad_lines, report=report):
+            if is_heldout(record["text"], heldout_percent):
+                split.heldout.append(record)
+            else:
+                split.train.setdefault(group_of(record), []).append(record["text"])
+        if report.total:
+            print(report.summary())
+        split.skipped += report.total
+        split.files.append({"file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path),
+                            "skipped_lines": report.total})
+    return split
+
+
+def group_targets(zh_share: float, zh_modern_share: float, train_mb: float) -> dict[str, float]:
+    """Training bytes wanted from each group."""
+    total = train_mb * 1e6
+    return {"en": (1 - zh_share) * total, "zh-classic": zh_share * (1 - zh_modern_share) * total,
+            "zh-modern": zh_share * zh_modern_share * total}
+
+
+def draw(texts: list[str], target_bytes: float) -> Iterator[str]:
+    """About target_bytes of `texts`: each text `whole` times, plus once more when its hash falls under the
+    fraction left (a sample when the group is larger than its target, repetitions when smaller)."""
+    have = sum(len(t.encode("utf-8")) for t in texts)
+    if have == 0 or target_bytes <= 0:
+        return
+    whole, fraction = divmod(target_bytes / have, 1.0)
+    for text in texts:
+        for _ in range(int(whole) + (text_hash(text, b"mix") < fraction)):
+            yield text
+
+
+def mix(split: Split, targets: dict[str, float], drawn: Counter | None = None) -> Iterator[str]:
+    """The training texts of a mix, group by group; `drawn` counts the bytes each group gave."""
+    for group in GROUPS:
+        for text in draw(split.train.get(group, []), targets[group]):
+            if drawn is not None:
+                drawn[group] += len(text.encode("utf-8"))
+            yield text
+
+
+def chat_texts(path: str | Path = CHAT_PATH) -> dict[str, list[str]]:
+    """The SFT conversations' text (their messages joined by newlines), by language: chat-en, chat-zh."""
+    out: dict[str, list[str]] = {}
+    for _, record in read_records(path, "conversations"):
+        text = "\n".join(m["content"] for m in record["conversations"] if m.get("content"))
+        out.setdefault(f"chat-{record.get('lang', 'unknown')}", []).append(text)
+    return out
+
+
+def evaluation_sets(split: Split, chat: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The texts each held-out measure is taken over, by name (en, zh, zh-modern, chat-en, chat-zh)."""
+    sets: dict[str, list[str]] = {}
+    for record in split.heldout:
+        sets.setdefault(str(record.get("lang", "unknown")), []).append(record["text"])
+        if group_of(record) == "zh-modern":
+            sets.setdefault("zh-modern", []).append(record["text"])
+    return {**sets, **chat}
 
 
 @dataclass
 class Stats:
-    """Running totals for one language: documents, characters, UTF-8 bytes, tokens."""
+    """Running totals for one text set: documents, characters, UTF-8 bytes, tokens."""
 
     docs: int = 0
     chars: int = 0
@@ -79,37 +183,23 @@ class Stats:
                 "bytes_per_token": round(self.bytes / max(self.tokens, 1), 4)}
 
 
-@dataclass
-class Compression:
-    """Per-language Stats plus an "all" row."""
-
-    by_lang: dict[str, Stats] = field(default_factory=dict)
-
-    def add(self, lang: str, text: str, n_tokens: int) -> None:
-        for key in (lang, "all"):
-            self.by_lang.setdefault(key, Stats()).add(text, n_tokens)
-
-    def as_dict(self) -> dict[str, dict[str, float | int]]:
-        keys = sorted(k for k in self.by_lang if k != "all") + ["all"]
-        return {k: self.by_lang[k].as_dict() for k in keys if k in self.by_lang}
+def measure(tok: Tokenizer, sets: dict[str, list[str]], batch_size: int = 256) -> dict[str, dict[str, float | int]]:
+    """Each set's totals, encoded as the training pipeline encodes (special strings stay text)."""
+    out = {}
+    for name, texts in sets.items():
+        stats = Stats()
+        for start in range(0, len(texts), batch_size):
+            batch = texts[start:start + batch_size]
+            for text, ids in zip(batch, tok.encode_batch(batch)):
+                stats.add(text, len(ids))
+        out[name] = stats.as_dict()
+    return out
 
 
-def measure(tok: Tokenizer, records: Iterator[dict[str, Any]], batch_size: int = 256) -> Compression:
-    """Encode records (as the training pipeline does: special strings stay text) and total per "lang"."""
-    result = Compression()
-    batch: list[dict[str, Any]] = []
-
-    def flush() -> None:
-        for rec, ids in zip(batch, tok.encode_batch([r["text"] for r in batch])):
-            result.add(str(rec.get("lang", "unknown")), rec["text"], len(ids))
-        batch.clear()
-
-    for record in records:
-        batch.append(record)
-        if len(batch) == batch_size:
-            flush()
-    flush()
-    return result
+def geometric_mean_bpt(comp: dict[str, dict[str, float | int]]) -> float:
+    """One number for 'best together': the geometric mean of the sets' bytes per token."""
+    values = [float(s["bytes_per_token"]) for s in comp.values()]
+    return math.exp(sum(map(math.log, values)) / len(values))
 
 
 def check_tokenizer(tok: Tokenizer, vocab_size: int) -> None:
@@ -124,55 +214,67 @@ def check_tokenizer(tok: Tokenizer, vocab_size: int) -> None:
             raise TokenizerError(f"{tok.path}: round trip failed for {sample!r}")
 
 
-def print_table(comp: dict[str, dict[str, float | int]]) -> None:
-    print(f"{'held-out':<8} {'docs':>7} {'chars':>12} {'bytes':>12} {'tokens':>11} {'chars/tok':>9} "
-          f"{'bytes/tok':>9}")
-    for lang, s in comp.items():
-        print(f"{lang:<8} {s['docs']:>7,} {s['chars']:>12,} {s['bytes']:>12,} {s['tokens']:>11,} "
-              f"{s['chars_per_token']:>9.3f} {s['bytes_per_token']:>9.3f}")
+def print_table(comp: dict[str, dict[str, float | int]], compared: dict[str, dict[str, dict]] | None = None) -> None:
+    others = list(compared or {})
+    print(f"{'held-out':<10} {'docs':>7} {'chars':>11} {'bytes':>11} {'tokens':>10} {'chars/tok':>9} "
+          f"{'bytes/tok':>9}" + "".join(f" {name[:14]:>14}" for name in others))
+    for name, s in comp.items():
+        print(f"{name:<10} {s['docs']:>7,} {s['chars']:>11,} {s['bytes']:>11,} {s['tokens']:>10,} "
+              f"{s['chars_per_token']:>9.3f} {s['bytes_per_token']:>9.3f}"
+              + "".join(f" {compared[o][name]['bytes_per_token']:>14.3f}" for o in others))
+
+
+def train_mix(split: Split, targets: dict[str, float], vocab_size: int, min_frequency: int, out_dir: str | Path,
+              model_max_length: int) -> tuple[Tokenizer, Counter, float]:
+    """Train and save the tokenizer of one mix: (tokenizer, bytes drawn per group, seconds)."""
+    drawn: Counter = Counter()
+    t0 = time.perf_counter()
+    bpe = train_bpe(mix(split, targets, drawn), vocab_size, min_frequency, SPECIAL_TOKENS)
+    seconds = time.perf_counter() - t0
+    tok = Tokenizer(save_tokenizer(bpe, out_dir, model_max_length))
+    check_tokenizer(tok, vocab_size)
+    return tok, drawn, seconds
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_path", default=DEFAULT_DATA_PATH, help='JSONL with {"text", "lang"} documents')
+    p.add_argument("--data_path", nargs="+", default=DEFAULT_DATA_PATHS,
+                   help='JSONL files of {"text", "source", "lang"} documents')
     p.add_argument("--out_dir", default=str(DEFAULT_TOKENIZER_DIR))
+    p.add_argument("--zh_share", type=float, default=ZH_SHARE, help="share of the training bytes that is Chinese")
+    p.add_argument("--zh_modern_share", type=float, default=ZH_MODERN_SHARE,
+                   help="share of the Chinese training bytes from modern (not classical) sources")
+    p.add_argument("--train_mb", type=float, default=TRAIN_MB, help="training text, in MB (10^6 bytes)")
     p.add_argument("--heldout_percent", type=float, default=2.0,
                    help="share of documents (by text hash) kept out of training and used for scoring")
     p.add_argument("--vocab_size", type=int, default=6400)
     p.add_argument("--min_frequency", type=int, default=2, help="merges seen fewer times are not learned")
     p.add_argument("--model_max_length", type=int, default=32768)
+    p.add_argument("--compare", nargs="*", default=[], help="other tokenizer directories scored on the same text")
     p.add_argument("--skip_bad_lines", action="store_true", help="skip and count malformed lines")
     args = p.parse_args(argv)
     if not 0 < args.heldout_percent < 100:
         p.error("--heldout_percent must be between 0 and 100 (exclusive)")
+    if not (0 <= args.zh_share <= 1 and 0 <= args.zh_modern_share <= 1):
+        p.error("--zh_share and --zh_modern_share are shares between 0 and 1")
+    if args.train_mb <= 0:
+        p.error("--train_mb must be positive")
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):
         p.error("--vocab_size must cover the 256 byte tokens plus the special tokens")
 
     try:
-        data = check_path(args.data_path)
-        train_report = SkipReport()  # both passes read every line; count bad ones once
-        train_docs: Counter[str] = Counter()  # per lang, filled while the trainer consumes the generator
-
-        def train_texts() -> Iterator[str]:
-            for rec in iter_split(data, False, args.heldout_percent, args.skip_bad_lines, train_report):
-                train_docs[str(rec.get("lang", "unknown"))] += 1
-                yield rec["text"]
-
-        t0 = time.perf_counter()
-        bpe = train_bpe(train_texts(), args.vocab_size, args.min_frequency, SPECIAL_TOKENS)
-        train_seconds = time.perf_counter() - t0
-        out = save_tokenizer(bpe, args.out_dir, args.model_max_length)
-        tok = Tokenizer(out)
-        check_tokenizer(tok, args.vocab_size)
-
-        t0 = time.perf_counter()
-        comp = measure(tok, iter_split(data, True, args.heldout_percent, args.skip_bad_lines)).as_dict()
-        measure_seconds = time.perf_counter() - t0
+        others = {Path(d).name if Path(d).name != "model" else Path(d).parent.name: Tokenizer(d)
+                  for d in args.compare}
+        split = read_split(args.data_path, args.heldout_percent, args.skip_bad_lines)
+        targets = group_targets(args.zh_share, args.zh_modern_share, args.train_mb)
+        tok, drawn, train_seconds = train_mix(split, targets, args.vocab_size, args.min_frequency, args.out_dir,
+                                              args.model_max_length)
+        sets = evaluation_sets(split, chat_texts())
+        comp = measure(tok, sets)
+        compared = {name: measure(other, sets) for name, other in others.items()}
     except (DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if train_report.total:
-        print(train_report.summary())
 
     import tokenizers
 
@@ -180,23 +282,28 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer_sha256": tok.sha256,
         "vocab_size": tok.vocab_size,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
-        "corpus": {"file": Path(args.data_path).name, "bytes": data.stat().st_size, "sha256": file_sha256(data),
-                   "skipped_lines": train_report.total},
+        "corpus": split.files,
         "split": {"method": "sha1(utf-8 text) first 8 bytes as big-endian int < heldout_percent/100 * 2**64",
                   "heldout_percent": args.heldout_percent,
-                  "train_docs": {**dict(sorted(train_docs.items())), "all": sum(train_docs.values())},
-                  "heldout_docs": {k: v["docs"] for k, v in comp.items()}},
+                  "train_docs": {g: len(t) for g, t in sorted(split.train.items())},
+                  "heldout_docs": len(split.heldout)},
+        "mix": {"zh_share": args.zh_share, "zh_modern_share": args.zh_modern_share, "train_mb": args.train_mb,
+                "classical_sources": list(CLASSICAL_SOURCES),
+                "drawn_bytes": dict(drawn), "available_bytes": {
+                    g: sum(len(t.encode("utf-8")) for t in split.train.get(g, [])) for g in GROUPS}},
         "training": {"algorithm": "byte-level BPE (dataset.tokenizer.train_bpe)", "vocab_size": args.vocab_size,
                      "min_frequency": args.min_frequency, "model_max_length": args.model_max_length,
                      "tokenizers_version": tokenizers.__version__},
         "heldout_compression": comp,
+        "compared": {name: {"tokenizer_sha256": others[name].sha256, "heldout_compression": c}
+                     for name, c in compared.items()},
     }
-    (Path(out) / "compression.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-
-    print(f"wrote {out}/ (vocab {tok.vocab_size}, sha256 {tok.sha256[:12]}); "
-          f"trained on {sum(train_docs.values()):,} docs in {train_seconds:.1f}s, "
-          f"scored {comp.get('all', {}).get('docs', 0):,} held-out docs in {measure_seconds:.1f}s")
-    print_table(comp)
+    out = Path(args.out_dir)
+    (out / "compression.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    print(f"wrote {out}/ (vocab {tok.vocab_size}, sha256 {tok.sha256[:12]}); trained on "
+          f"{sum(drawn.values()) / 1e6:.1f} MB ({', '.join(f'{g} {b / 1e6:.1f}' for g, b in drawn.items())}) "
+          f"in {train_seconds:.1f}s")
+    print_table(comp, compared)
     return 0
 
 

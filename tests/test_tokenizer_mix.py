@@ -1,0 +1,110 @@
+"""The default tokenizer's build (scripts/build_default_tokenizer.py): the mix it draws, its held-out split, its
+measures, and its errors. The shipped tokenizer's own numbers are checked against its compression.json."""
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+
+import pytest
+
+from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+
+from conftest import ROOT, write_jsonl
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import build_default_tokenizer as build  # noqa: E402
+
+EN = ["The {} fox jumps over the lazy dog number {}.", "A small model reads {} books on day {}."]
+POEM = ["床前明月光{}疑是地上霜{}", "白日依山尽{}黄河入海流{}"]
+MODERN = ["这个命令用于建立和修改档案{}，第{}个文件。", "内核文档的中文翻译{}，第{}章。"]
+
+
+def corpus(tmp_path, n=60):
+    rows = []
+    for i in range(n):
+        rows.append({"text": EN[i % 2].format(i, i * 7), "source": "sotu:x", "lang": "en"})
+        rows.append({"text": POEM[i % 2].format(i, i + 1), "source": "poetry:tang", "lang": "zh"})
+        rows.append({"text": MODERN[i % 2].format(i, i + 3), "source": "linux-docs-zh", "lang": "zh"})
+    return write_jsonl(tmp_path / "corpus.jsonl", rows)
+
+
+def test_groups_split_and_draw(tmp_path):
+    split = build.read_split([corpus(tmp_path)], heldout_percent=20)
+    assert set(split.train) == {"en", "zh-classic", "zh-modern"}
+    train = {t for texts in split.train.values() for t in texts}
+    held = {r["text"] for r in split.heldout}
+    assert held and not held & train and len(held) + len(train) == 180  # every document on one side
+    assert all(build.is_heldout(t, 20) for t in held)
+    # the split is the text's, not the file's: reversed lines split the same
+    rows = (tmp_path / "corpus.jsonl").read_text().splitlines(True)
+    (tmp_path / "reversed.jsonl").write_text("".join(reversed(rows)))
+    assert {r["text"] for r in build.read_split([tmp_path / "reversed.jsonl"], 20).heldout} == held
+
+    have = {g: sum(len(t.encode()) for t in texts) for g, texts in split.train.items()}
+    longest = max(len(t.encode()) for texts in split.train.values() for t in texts)
+    # a group larger than its target is sampled, a smaller one repeated: each near its target, in bytes (a
+    # sample is drawn document by document, so within a few documents of it)
+    for zh_share, modern in [(0.5, 0.6), (0.2, 0.9), (0.8, 0.1)]:
+        total_mb = sum(have.values()) / 1e6
+        targets = build.group_targets(zh_share, modern, total_mb)
+        drawn: Counter = Counter()
+        texts = list(build.mix(split, targets, drawn))
+        assert sum(len(t.encode()) for t in texts) == sum(drawn.values())
+        for group, target in targets.items():
+            assert drawn[group] == pytest.approx(target, rel=0.1, abs=5 * longest), (zh_share, modern, group)
+        assert texts == list(build.mix(split, targets))  # the same draw every time
+    twice = build.group_targets(0.5, 0.5, 2 * sum(have.values()) / 1e6)
+    drawn = Counter()
+    list(build.mix(split, {g: twice[g] for g in twice}, drawn))
+    assert drawn["zh-modern"] == pytest.approx(2 * 0.5 * 0.5 * sum(have.values()), rel=0.15)
+    assert not list(build.draw(split.train["en"], 0))
+
+
+def test_evaluation_sets_and_measures(tmp_path):
+    split = build.read_split([corpus(tmp_path)], heldout_percent=30)
+    sets = build.evaluation_sets(split, build.chat_texts())
+    assert {"en", "zh", "zh-modern", "chat-en", "chat-zh"} <= set(sets)
+    assert set(sets["zh-modern"]) < set(sets["zh"]) and not set(sets["zh-modern"]) & set(POEM)
+    tok = Tokenizer(DEFAULT_TOKENIZER_DIR)
+    comp = build.measure(tok, sets, batch_size=7)  # batches that do not divide the sets
+    for name, texts in sets.items():
+        tokens = sum(len(tok.encode(t)) for t in texts)
+        assert comp[name]["tokens"] == tokens and comp[name]["docs"] == len(texts)
+        assert comp[name]["bytes_per_token"] == round(sum(len(t.encode()) for t in texts) / tokens, 4)
+    assert build.geometric_mean_bpt({"a": {"bytes_per_token": 2.0}, "b": {"bytes_per_token": 8.0}}) == \
+        pytest.approx(4.0)
+
+
+def test_build_writes_a_checked_tokenizer_and_its_numbers(tmp_path, capsys):
+    out = tmp_path / "tok"
+    assert build.main(["--data_path", str(corpus(tmp_path)), "--out_dir", str(out), "--vocab_size", "400",
+                       "--train_mb", "0.02", "--compare", str(DEFAULT_TOKENIZER_DIR)]) == 0
+    tok = Tokenizer(out)
+    assert tok.vocab_size == 400 and (tok.eot_id, tok.im_start_id, tok.im_end_id) == (0, 1, 2)
+    summary = json.loads((out / "compression.json").read_text())
+    assert summary["tokenizer_sha256"] == tok.sha256
+    assert summary["mix"]["zh_share"] == build.ZH_SHARE and set(summary["mix"]["drawn_bytes"]) == set(build.GROUPS)
+    assert summary["compared"]["tokenizer"]["tokenizer_sha256"] == Tokenizer(DEFAULT_TOKENIZER_DIR).sha256
+    assert "chat-zh" in capsys.readouterr().out
+
+
+def test_bad_input_is_a_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine", "lang": "en"}\n{broken\n')
+    assert build.main(["--data_path", str(bad), "--out_dir", str(tmp_path / "t")]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert build.main(["--data_path", str(tmp_path / "missing.jsonl"), "--out_dir", str(tmp_path / "t")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build.main(["--zh_share", "1.5"])
+
+
+def test_shipped_tokenizer_matches_its_compression_record():
+    """model/tokenizer/compression.json describes the tokenizer beside it (rebuilt together, never apart)."""
+    summary = json.loads((DEFAULT_TOKENIZER_DIR / "compression.json").read_text())
+    tok = Tokenizer(DEFAULT_TOKENIZER_DIR)
+    assert summary["tokenizer_sha256"] == tok.sha256 and summary["vocab_size"] == tok.vocab_size
+    chat = build.chat_texts()  # the one held-out set that ships with the repository: re-measured here
+    for name, texts in chat.items():
+        assert build.measure(tok, {name: texts})[name] == summary["heldout_compression"][name]
