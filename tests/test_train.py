@@ -409,3 +409,28 @@ def test_init_from_refuses_another_tokenizer(corpus, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"error: --tokenizer {other} is not the tokenizer --init_from" in err and "Traceback" not in err
     assert train_full_sft.main([*sft, "--overwrite"]) == 0  # the checkpoint's tokenizer
+
+
+def test_a_run_made_with_the_previous_default_tokenizer_keeps_it(corpus, tmp_path, monkeypatch):
+    """A run begun when model/tokenizer-v1 was the default (no --tokenizer) resumes bit-identically with it after
+    the default changed, and fine-tunes and loads with it: a checkpoint carries its tokenizer, checked by hash."""
+    import trainer_utils.session as session_mod
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+
+    previous = Tokenizer(ROOT / "model" / "tokenizer-v1")
+    assert previous.sha256 != Tokenizer(DEFAULT_TOKENIZER_DIR).sha256
+    monkeypatch.setattr(session_mod, "DEFAULT_TOKENIZER_DIR", previous.path)  # the default of that time
+    assert train_pretrain.main(flags(corpus, tmp_path, "straight")) == 0
+    stop_at(monkeypatch, 4)
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed")) == 0
+    monkeypatch.undo()  # the default is the shipped tokenizer again
+    assert train_pretrain.main(flags(corpus, tmp_path, "resumed", resume=True)) == 0
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert Tokenizer(load_model(tmp_path / "resumed")[1]).sha256 == previous.sha256
+    sft = cli_flags({"data_path": corpus["sft"], "cache_dir": corpus["cache"], "out_dir": tmp_path, "run_name": "sft",
+                     "batch_size": 2, "max_steps": 2, "dtype": "float32", "num_workers": 0,
+                     "init_from": tmp_path / "resumed"})
+    assert train_full_sft.main(sft) == 0
+    model, where = load_model(tmp_path / "sft")
+    assert Tokenizer(where).sha256 == previous.sha256 and model is not None
