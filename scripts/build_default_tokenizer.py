@@ -79,6 +79,13 @@ def is_heldout(text: str, heldout_percent: float) -> bool:
     return text_hash(text) < heldout_percent / 100
 
 
+def tokenizer_name(directory: str | Path) -> str:
+    """How a compared tokenizer is named in tables: its directory, or the one above a "model" directory
+    (MiniMind's tokenizer lives in its repository's model/)."""
+    path = Path(directory)
+    return path.parent.name if path.name == "model" else path.name
+
+
 def group_of(record: dict[str, Any]) -> str:
     """The mix group of a document: en, zh-classic or zh-modern (other languages: their own name)."""
     lang = str(record.get("lang", "unknown"))
@@ -263,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--vocab_size must cover the 256 byte tokens plus the special tokens")
 
     try:
-        others = {Path(d).name if Path(d).name != "model" else Path(d).parent.name: Tokenizer(d)
-                  for d in args.compare}
+        others = {tokenizer_name(d): Tokenizer(d) for d in args.compare}
         split = read_split(args.data_path, args.heldout_percent, args.skip_bad_lines)
         targets = group_targets(args.zh_share, args.zh_modern_share, args.train_mb)
         tok, drawn, train_seconds = train_mix(split, targets, args.vocab_size, args.min_frequency, args.out_dir,

@@ -31,6 +31,7 @@ from build_default_tokenizer import (  # noqa: E402
     group_targets,
     measure,
     read_split,
+    tokenizer_name,
     train_mix,
 )
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zh_share", nargs="+", type=float, default=[0.3, 0.4, 0.5, 0.6, 0.7])
     p.add_argument("--zh_modern_share", nargs="+", type=float, default=[0.1, 0.3, 0.6, 0.9])
     p.add_argument("--train_mb", type=float, default=TRAIN_MB)
+    p.add_argument("--vocab_size", type=int, default=6400)
     p.add_argument("--heldout_percent", type=float, default=2.0)
     p.add_argument("--compare", nargs="*", default=[])
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tokenizer-mix-sweep.json")
@@ -80,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         shipped = Tokenizer(DEFAULT_TOKENIZER_DIR)
         compared = {f"shipped {shipped.sha256[:8]}": measure(shipped, sets)}
         for d in args.compare:
-            compared[Path(d).name if Path(d).name != "model" else Path(d).parent.name] = measure(Tokenizer(d), sets)
+            compared[tokenizer_name(d)] = measure(Tokenizer(d), sets)
         points = []
         for modern in args.zh_modern_share:
             for share in args.zh_share:
                 with tempfile.TemporaryDirectory() as tmp:
-                    tok, drawn, seconds = train_mix(split, group_targets(share, modern, args.train_mb), 6400, 2,
-                                                    tmp, 32768)
+                    targets = group_targets(share, modern, args.train_mb)
+                    tok, drawn, seconds = train_mix(split, targets, args.vocab_size, 2, tmp, 32768)
                     comp = measure(tok, sets)
                 points.append({"zh_share": share, "zh_modern_share": modern, "train_seconds": round(seconds, 1),
                                "drawn_bytes": dict(drawn), "heldout_compression": comp,

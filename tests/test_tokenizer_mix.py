@@ -108,3 +108,20 @@ def test_shipped_tokenizer_matches_its_compression_record():
     chat = build.chat_texts()  # the one held-out set that ships with the repository: re-measured here
     for name, texts in chat.items():
         assert build.measure(tok, {name: texts})[name] == summary["heldout_compression"][name]
+
+
+def test_sweep_trains_every_point_and_writes_its_table_and_plot(tmp_path, capsys):
+    import sweep_tokenizer_mix as sweep
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--data_path", str(corpus(tmp_path)), "--zh_share", "0.3", "0.6", "--zh_modern_share", "0.5",
+                       "--train_mb", "0.02", "--vocab_size", "400", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(p["zh_share"], p["zh_modern_share"]) for p in result["points"]] == [(0.3, 0.5), (0.6, 0.5)]
+    shipped = f"shipped {Tokenizer(DEFAULT_TOKENIZER_DIR).sha256[:8]}"
+    assert list(result["compared"]) == [shipped]
+    for point in result["points"]:
+        assert point["geomean_bytes_per_token"] == round(build.geometric_mean_bpt(point["heldout_compression"]), 4)
+    assert out.with_suffix(".png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert f"| {shipped} |" in table and "| 0.6 | 0.5 |" in table
+    assert sweep.main(["--data_path", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
