@@ -62,11 +62,13 @@ def test_first_step_is_ln_2_and_the_reference_is_cached_by_its_weights(pairs, tm
 
 
 def test_reward_accuracy_rises_on_the_demo_pairs(pairs, tmp_path, sft):
-    assert train_dpo.main(dpo_flags(pairs, tmp_path, sft, max_steps=60, log_interval=10, eval_interval=60,
+    assert train_dpo.main(dpo_flags(pairs, tmp_path, sft, max_steps=60, log_interval=1, eval_interval=60,
                                     beta=0.5)) == 0
     records = read_metrics(tmp_path / "dpo")
-    assert records[-1]["reward_accuracy"] > 0.9, [r["reward_accuracy"] for r in records]
-    assert records[-1]["loss"] < records[0]["loss"] < math.log(2) + 1e-3
+    first, last = records[:10], records[-10:]
+    assert sum(r["reward_accuracy"] for r in last) / 10 > 0.9, [r["reward_accuracy"] for r in records]
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)  # the policy starts as its reference
+    assert sum(r["loss"] for r in last) < sum(r["loss"] for r in first) and last[-1]["loss"] < math.log(2)
     [val] = [r for r in strict_records(tmp_path / "dpo") if r.get("val_loss") is not None]
     assert val["val_reward_accuracy"] > 0.6 and val["val_loss"] < math.log(2)  # held-out pairs: 23 here
 

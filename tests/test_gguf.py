@@ -211,14 +211,20 @@ def test_greedy_continuations_match(llama_cpp, llama_model, tokenizer):
         assert len(set(ours)) > 10  # a walk through the vocabulary, not one token repeated
 
 
-@pytest.mark.parametrize("outtype,tolerance", [("f16", 2e-2), ("q8_0", 0.3)])
-def test_f16_and_q8_0_logits_are_close(llama_cpp, llama_model, tokenizer, outtype, tolerance):
+@pytest.mark.parametrize("outtype,tolerance,top1", [("f16", 0.01, 0.98), ("q8_0", 0.1, 0.85)])
+def test_f16_and_q8_0_logits_are_close(llama_cpp, llama_model, tokenizer, outtype, tolerance, top1):
+    """Quantised logits stay within `tolerance` of the logits' spread (max minus min per position, about 5 for
+    this random model: an absolute bound would depend on the prompts' tokens), and the top-1 token is ours at
+    `top1` of the positions (a random model's logits are flat: near ties swap under q8_0's rounding)."""
     llm, model = load(llama_cpp, llama_model[outtype]), llama_model["model"]
-    diff = max_diff(llm, model, tokenizer)
-    same = [int(a == b) for p in PROMPTS for a, b in zip(llama_logits(llm, tokenizer.encode(p)).argmax(-1),
-                                                        our_logits(model, tokenizer.encode(p)).argmax(-1))]
-    print(f"{outtype} export: max |logit diff| = {diff:.2e}, same top-1 at {sum(same)}/{len(same)} positions")
-    assert diff < tolerance and sum(same) >= 0.9 * len(same)
+    theirs = np.concatenate([llama_logits(llm, tokenizer.encode(p)) for p in PROMPTS])
+    ours = np.concatenate([our_logits(model, tokenizer.encode(p)) for p in PROMPTS])
+    diff = float(np.abs(theirs - ours).max())
+    spread = float((ours.max(axis=1) - ours.min(axis=1)).mean())
+    same = theirs.argmax(-1) == ours.argmax(-1)
+    print(f"{outtype} export: max |logit diff| = {diff:.2e} (spread {spread:.2f}), same top-1 at "
+          f"{same.sum()}/{len(same)} positions")
+    assert diff < tolerance * spread and same.mean() >= top1
     # norms stay f32; matrices take the type (the embedding too, as llama.cpp's converter does)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(llama_model[outtype]).tensors}
     assert types["output_norm.weight"] == types["blk.0.attn_norm.weight"] == "F32"
