@@ -19,6 +19,10 @@ Runs are real train_pretrain.py processes, one at a time (in parallel they would
 elapsed_s: wall time without the evaluation pauses. --seeds repeats every configuration with each seed and
 reports the mean and the range of the final validation loss, to tell a gain from noise.
 
+--metric decides what is compared (sorted, differenced, reached in time, plotted): val_loss (nats per token) or
+val_bpb (bits per byte of the validation text). Configurations with different tokenizers count different tokens,
+so their losses per token do not compare; the default is val_bpb when the tokenizers differ, val_loss otherwise.
+
 Writes to --out: results.json (everything: flags, commands, steps, tokens, times, the evaluation curves, the
 final losses per seed and their mean), results.md (a table sorted by final validation loss, with the change
 against the baseline and the training time a configuration needs to reach the baseline's final loss, as a share
@@ -30,6 +34,7 @@ An ablation file (YAML or JSON) holds the same settings; flags given on the comm
     recipe: recipes/demo-pretrain.yaml
     base: --max_seq_len 256          # a string of flags, a list, or a mapping {flag: value}
     tokens: 819200                   # or seconds: 300
+    metric: val_loss                 # or val_bpb (the default when the configurations' tokenizers differ)
     evals: 12
     seeds: [42]
     configs:
@@ -60,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.device import cpu_model  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
+from common.files import DEFAULT_TOKENIZER_DIR  # noqa: E402
 from scripts.plot_metrics import read_metrics  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "train_pretrain.py"
@@ -69,6 +75,7 @@ RESERVED = ("max_steps", "epochs", "out_dir", "run_name", "resume", "eval_interv
 QUIET = ["--overwrite", "--no-checkpoints", "--sample_prompts", "none", "--probes", "none", "--no-layer_stats"]
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 TAIL_LINES = 20
+METRICS = {"val_loss": "validation loss (nats/token)", "val_bpb": "validation bits per byte"}
 
 
 class UsageError(Exception):
@@ -150,7 +157,7 @@ def parse_config_arg(text: str) -> Config:
     return Config(name.strip(), shlex.split(flags))
 
 
-ABLATION_KEYS = ("recipe", "base", "tokens", "seconds", "evals", "seeds", "configs")
+ABLATION_KEYS = ("recipe", "base", "tokens", "seconds", "evals", "seeds", "metric", "configs")
 
 
 def load_ablation(path: Path) -> dict[str, Any]:
@@ -247,15 +254,15 @@ def eval_interval(steps: int, evals: int) -> int:
     return max(1, math.ceil(steps / evals))
 
 
-def time_to_reach(curve: list[dict[str, float]], target: float) -> float | None:
-    """Training seconds at which the validation curve first reaches `target`, linear between evaluations
+def time_to_reach(curve: list[dict[str, float]], target: float, metric: str = "val_loss") -> float | None:
+    """Training seconds at which the curve's `metric` first reaches `target`, linear between evaluations
     (None: never). Reached at the first evaluation, it is that evaluation's time: an upper bound."""
     before = None
     for point in curve:
-        if point["val_loss"] <= target:
+        if point[metric] <= target:
             if before is None:
                 return point["elapsed_s"]
-            share = (before["val_loss"] - target) / (before["val_loss"] - point["val_loss"])
+            share = (before[metric] - target) / (before[metric] - point[metric])
             return before["elapsed_s"] + share * (point["elapsed_s"] - before["elapsed_s"])
         before = point
     return None
@@ -373,31 +380,33 @@ def summarize(plan: Plan, runs: list[Run]) -> dict[str, Any]:
     if not done:
         return row
     curve = mean_curve([r.curve for r in done])
-    finals = [r.curve[-1]["val_loss"] for r in done]
     wall = curve[-1]["elapsed_s"]
     row.update(wall_s=round(wall, 3), seconds_per_step=round(wall / plan.steps, 5),
-               tokens_per_s=round(row["tokens"] / wall), final_val_loss=round(mean(finals), 5),
-               final_val_loss_min=min(finals), final_val_loss_max=max(finals),
-               final_val_bpb=round(curve[-1]["val_bpb"], 5) if "val_bpb" in curve[-1] else None, curve=curve)
+               tokens_per_s=round(row["tokens"] / wall), final_val_bpb=None, curve=curve)
+    for metric in METRICS:  # the mean over the seeds and their range
+        finals = [r.curve[-1][metric] for r in done if metric in r.curve[-1]]
+        if len(finals) == len(done):
+            row.update({f"final_{metric}": round(mean(finals), 5), f"final_{metric}_min": min(finals),
+                        f"final_{metric}_max": max(finals)})
     return row
 
 
-def compare(rows: list[dict[str, Any]]) -> None:
-    """Add to each row its final-loss change against the baseline (the first configuration) and the training
-    time its mean curve takes to reach the baseline's final loss, as a share of the baseline's training time."""
+def compare(rows: list[dict[str, Any]], metric: str) -> None:
+    """Add to each row its final `metric`'s change against the baseline (the first configuration) and the training
+    time its mean curve takes to reach the baseline's final value, as a share of the baseline's training time."""
     baseline = rows[0]
-    if "final_val_loss" not in baseline:
+    if baseline.get(f"final_{metric}") is None:
         return
-    target = baseline["final_val_loss"]
+    target = baseline[f"final_{metric}"]
     for row in rows:
-        if "final_val_loss" not in row:
+        if row.get(f"final_{metric}") is None:
             continue
-        reached = time_to_reach(row["curve"], target)
-        row.update(delta_vs_baseline=round(row["final_val_loss"] - target, 5),
+        reached = time_to_reach(row["curve"], target, metric)
+        row.update(delta_vs_baseline=round(row[f"final_{metric}"] - target, 5),
                    time_to_baseline_s=None if reached is None else round(reached, 3),
                    time_to_baseline_frac=None if reached is None else round(reached / baseline["wall_s"], 4),
                    # reached at the first evaluation: the curve before it is unknown, so this is an upper bound
-                   time_to_baseline_upper_bound=reached is not None and row["curve"][0]["val_loss"] <= target)
+                   time_to_baseline_upper_bound=reached is not None and row["curve"][0][metric] <= target)
 
 
 def describe(budget: dict[str, Any]) -> str:
@@ -406,35 +415,41 @@ def describe(budget: dict[str, Any]) -> str:
 
 
 def table(report: dict[str, Any]) -> str:
-    """results.md: the setting, then one row per configuration, the best final validation loss first."""
-    several = len(report["seeds"]) > 1
-    lines = [f"# Ablation: {describe(report['budget'])}", "",
+    """results.md: the setting, then one row per configuration, the best final value of the metric first."""
+    several, metric = len(report["seeds"]) > 1, report["metric"]
+    short = {"val_loss": "loss", "val_bpb": "bpb"}[metric]
+
+    def final(r: dict[str, Any], key: str) -> str:
+        if r.get(f"final_{key}") is None:
+            return "–"
+        spread = f" ({r[f'final_{key}_min']:.4f}–{r[f'final_{key}_max']:.4f})" if several and key == metric else ""
+        return f"{r[f'final_{key}']:.4f}{spread}"
+
+    lines = [f"# Ablation: {describe(report['budget'])}, compared by {METRICS[metric]}", "",
              f"Shared flags: `{shlex.join(report['shared_flags']) or '(none)'}`; seeds "
              f"{', '.join(map(str, report['seeds']))}; {report['device']} on {report['host']}, torch "
              f"{report['torch']}.", "",
-             "| config | steps | tokens | wall s | tokens/s | final val loss | val bpb | Δ vs baseline "
-             "| time to baseline's loss |",
+             f"| config | steps | tokens | wall s | tokens/s | final val loss | val bpb | Δ {short} vs baseline "
+             f"| time to baseline's {short} |",
              "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in sorted(report["configs"], key=lambda r: r.get("final_val_loss", math.inf)):
+    for r in sorted(report["configs"], key=lambda r: r.get(f"final_{metric}") or math.inf):
         name = f"**{r['name']}**" if r["name"] == report["baseline"] else r["name"]
         if "final_val_loss" not in r:
             lines.append(f"| {name} | {r['steps']:,} | {r['tokens']:,} | failed | | | | | |")
             continue
-        loss = f"{r['final_val_loss']:.4f}" + (f" ({r['final_val_loss_min']:.4f}–{r['final_val_loss_max']:.4f})"
-                                               if several else "")
-        bpb = "–" if r["final_val_bpb"] is None else f"{r['final_val_bpb']:.4f}"
         delta = f"{r['delta_vs_baseline']:+.4f}" if "delta_vs_baseline" in r else "–"
         frac = r.get("time_to_baseline_frac")
         reach = "–" if "delta_vs_baseline" not in r else "not reached" if frac is None else \
             f"{'≤ ' if r['time_to_baseline_upper_bound'] else ''}{frac:.2f}×"
         lines.append(f"| {name} | {r['steps']:,} | {r['tokens']:,} | {r['wall_s']:.1f} | {r['tokens_per_s']:,} "
-                     f"| {loss} | {bpb} | {delta} | {reach} |")
+                     f"| {final(r, 'val_loss')} | {final(r, 'val_bpb')} | {delta} | {reach} |")
     lines += ["", "Bold: the baseline (the first configuration). Wall s: training time (metrics.jsonl's elapsed_s, "
               "without the evaluation pauses)"
-              + (", final val loss and bpb: means over the seeds (the loss's range in brackets)" if several else "")
-              + ". Time to baseline's loss: when the configuration's validation curve (linear between evaluations)"
-              " first reaches the baseline's final validation loss, as a share of the baseline's training time "
-              "(≤: already at the first evaluation)."]
+              + (f", final val loss and bpb: means over the seeds (the {short}'s range in brackets)" if several
+                 else "")
+              + f". Time to baseline's {short}: when the configuration's validation curve (linear between "
+              f"evaluations) first reaches the baseline's final {METRICS[metric]}, as a share of the baseline's "
+              "training time (≤: already at the first evaluation)."]
     return "\n".join(lines) + "\n"
 
 
@@ -445,20 +460,21 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    metric = report["metric"]
     for r in report["configs"]:
-        if "curve" in r:
-            loss = [p["val_loss"] for p in r["curve"]]
+        if "curve" in r and all(metric in p for p in r["curve"]):
+            loss = [p[metric] for p in r["curve"]]
             by_time.plot([p["elapsed_s"] for p in r["curve"]], loss, "o-", markersize=3, label=r["name"])
             by_tokens.plot([p["tokens"] for p in r["curve"]], loss, "o-", markersize=3, label=r["name"])
-    target = report["configs"][0].get("final_val_loss")
+    target = report["configs"][0].get(f"final_{metric}")
     for ax, xlabel in ((by_time, "training time (s, evaluations excluded)"), (by_tokens, "tokens")):
         if target is not None:
             ax.axhline(target, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-    by_time.set_ylabel("validation loss (nats/token)")
+    by_time.set_ylabel(METRICS[metric])
     by_time.legend()
-    fig.suptitle(f"{describe(report['budget'])}; dashed: the baseline's final validation loss")
+    fig.suptitle(f"{describe(report['budget'])}; dashed: the baseline's final {METRICS[metric]}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -479,6 +495,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--evals", type=int, help="evaluations per run, the points of the curves (default 12)")
     p.add_argument("--seeds", type=int, nargs="+", help="run every configuration with each of these --seed values "
                                                         "(default: once, with its own seed)")
+    p.add_argument("--metric", choices=sorted(METRICS), help="what to compare: val_loss or val_bpb (default: "
+                   "val_bpb when the configurations' tokenizers differ, else val_loss)")
     p.add_argument("--calibration_steps", type=int, default=8, help="timed steps of an equal-time calibration run")
     p.add_argument("--calibration_warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument("--out", type=Path, default=Path("out/bench-learning"), help="results directory")
@@ -486,10 +504,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup(args: argparse.Namespace) -> tuple[list[str], list[Plan], dict[str, Any], int, list[int | None]]:
+def setup(args: argparse.Namespace) -> tuple[list[str], list[Plan], dict[str, Any], int, list[int | None], str]:
     """The shared flags, a plan per configuration (flags checked by train_pretrain's parser), the budget, the
-    evaluations per run and the seeds ([None]: each configuration's own), from the ablation file and the
-    command line (which wins); UsageError when they do not make an ablation."""
+    evaluations per run, the seeds ([None]: each configuration's own) and the metric compared, from the ablation
+    file and the command line (which wins); UsageError when they do not make an ablation."""
     file = load_ablation(args.ablation) if args.ablation else {"configs": [], "base": []}
     recipe = args.recipe or file.get("recipe")
     if recipe is not None and not Path(recipe).is_file():
@@ -508,11 +526,18 @@ def setup(args: argparse.Namespace) -> tuple[list[str], list[Plan], dict[str, An
     if min(evals, args.calibration_steps, args.calibration_warmup) < 1:
         raise UsageError("--evals, --calibration_steps and --calibration_warmup must be at least 1")
     check_configs(configs, shared, seeds is not None)
-    plans = []
+    plans, tokenizers = [], set()
     for c in configs:
         parsed = parse_flags([*shared, *c.flags], f"configuration {c.name!r}")
         plans.append(Plan(c, tokens_per_step(parsed), parsed.optim.seed))
-    return shared, plans, budget, int(evals), [int(s) for s in seeds] if seeds else [None]
+        tokenizers.add(Path(parsed.data.tokenizer or DEFAULT_TOKENIZER_DIR).resolve())
+    metric = args.metric or file.get("metric") or ("val_bpb" if len(tokenizers) > 1 else "val_loss")
+    if metric not in METRICS:
+        raise UsageError(f"metric {metric!r}: use {' or '.join(METRICS)}")
+    if metric == "val_loss" and len(tokenizers) > 1:
+        raise UsageError("the configurations use different tokenizers, so their losses per token count different "
+                         "tokens: compare them with --metric val_bpb")
+    return shared, plans, budget, int(evals), [int(s) for s in seeds] if seeds else [None], metric
 
 
 def run_name(plan: Plan, seed: int | None, seeds: list[int | None]) -> str:
@@ -542,10 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out
     try:
-        shared, plans, budget, evals, seeds = setup(args)
+        shared, plans, budget, evals, seeds, metric = setup(args)
         if args.dry_run:
             return dry_run(plans, shared, out, budget, evals, seeds, args)
-        print(f"ablation: {len(plans)} configurations x {len(seeds)} seed(s), {describe(budget)}", flush=True)
+        print(f"ablation: {len(plans)} configurations x {len(seeds)} seed(s), {describe(budget)}, compared by "
+              f"{metric}", flush=True)
         if budget["mode"] == "seconds":
             for plan in plans:
                 calibrate(plan, shared, out, args.calibration_warmup, args.calibration_steps)
@@ -586,11 +612,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if e.code == 2 else 1
 
     rows = [summarize(p, runs[p.config.name]) for p in plans]
-    compare(rows)
+    compare(rows, metric)
     first = next((r.run_dir for rs in runs.values() for r in rs if r.curve), None)
     where = resolved(first) if first else {}
     report = {"budget": budget, "evals": evals, "seeds": sorted({r.seed for rs in runs.values() for r in rs}),
-              "shared_flags": shared, "baseline": plans[0].config.name,
+              "shared_flags": shared, "baseline": plans[0].config.name, "metric": metric,
               "device": f"{where.get('device', '?')} ({where.get('dtype', '?')})", "host": cpu_model(),
               "torch": torch.__version__, "configs": rows}
     out.mkdir(parents=True, exist_ok=True)

@@ -95,6 +95,50 @@ def test_bad_input_is_a_one_line_error(argv, message, capsys):
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
+def test_configurations_with_different_tokenizers_are_compared_by_bits_per_byte(capsys):
+    """A loss per token is no measure across tokenizers (their tokens differ): the default metric becomes val_bpb,
+    and asking for val_loss there is refused."""
+    recipe = ["--recipe", str(ROOT / "recipes/demo-pretrain.yaml"), "--tokens", "4096"]
+    same = ["--config", "a=", "--config", f"b=--tokenizer {ROOT / 'model/tokenizer'}"]
+    other = ["--config", "a=", "--config", f"v1=--tokenizer {ROOT / 'model/tokenizer-v1'}"]
+    assert bl.setup(bl.parse_args(recipe + same))[-1] == "val_loss"  # the default tokenizer, named or not
+    assert bl.setup(bl.parse_args(recipe + other))[-1] == "val_bpb"
+    assert bl.setup(bl.parse_args(recipe + same + ["--metric", "val_bpb"]))[-1] == "val_bpb"
+    assert bl.setup(bl.parse_args(["--ablation", str(ROOT / "bench/ablations/demo-tokenizer.yaml")]))[-1] == \
+        "val_bpb"
+    assert bl.main(recipe + other + ["--metric", "val_loss", "--dry_run"]) == 2
+    assert "different tokenizers" in capsys.readouterr().err
+
+
+def test_the_metric_decides_the_order_the_difference_and_the_time_to_the_baseline():
+    """Two configurations where loss and bits per byte disagree (a coarser tokenizer: more nats per token, fewer
+    bits per byte): compared by val_bpb, the table puts the better bpb first and differences bpb."""
+    def curve(*points):
+        return [{"step": i + 1, "tokens": 0, "elapsed_s": 10.0 * (i + 1), "val_loss": loss, "val_bpb": bpb}
+                for i, (loss, bpb) in enumerate(points)]
+
+    plans = [bl.Plan(bl.Config(name, []), 256, 42, steps=2) for name in ("base", "coarse")]
+    runs = [[bl.Run(1, [], ROOT, curve=curve((5.0, 2.0), (4.0, 1.80))),
+             bl.Run(2, [], ROOT, curve=curve((5.0, 2.0), (4.2, 1.84)))],
+            [bl.Run(1, [], ROOT, curve=curve((5.5, 1.9), (4.5, 1.70))),
+             bl.Run(2, [], ROOT, curve=curve((5.5, 1.9), (4.7, 1.74)))]]
+    rows = [bl.summarize(p, r) for p, r in zip(plans, runs)]
+    assert (rows[0]["final_val_bpb"], rows[0]["final_val_bpb_min"], rows[0]["final_val_bpb_max"]) == (1.82, 1.8, 1.84)
+    bl.compare(rows, "val_bpb")
+    assert rows[1]["delta_vs_baseline"] == pytest.approx(-0.1)
+    # the baseline's final 1.82 is reached between the coarse curve's points 1.9 (10 s) and 1.72 (20 s)
+    assert rows[1]["time_to_baseline_s"] == pytest.approx(10 + 10 * 0.08 / 0.18, abs=1e-3)
+    report = {"budget": {"mode": "tokens", "tokens": 512}, "seeds": [1, 2], "shared_flags": [], "baseline": "base",
+              "metric": "val_bpb", "device": "cpu", "host": "x", "torch": "t", "configs": rows}
+    table = bl.table(report)
+    names = [line.split("|")[1].strip() for line in table.splitlines()
+             if line.startswith("| ") and "config" not in line]
+    assert names == ["coarse", "**base**"] and "Δ bpb vs baseline" in table
+    assert "| 1.7200 (1.7000–1.7400) | -0.1000 |" in table  # the seeds' range is the metric's
+    bl.compare(rows, "val_loss")
+    assert rows[1]["delta_vs_baseline"] == pytest.approx(0.5)  # by loss per token, the other way round
+
+
 def test_an_ablation_file_with_unknown_keys_is_refused(tmp_path, capsys):
     (tmp_path / "a.yaml").write_text("configs: {a: {}}\ntokenz: 5\n")
     assert bl.main(["--ablation", str(tmp_path / "a.yaml"), "--tokens", "5", "--dry_run"]) == 2
