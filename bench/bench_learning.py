@@ -417,7 +417,7 @@ def describe(budget: dict[str, Any]) -> str:
 def table(report: dict[str, Any]) -> str:
     """results.md: the setting, then one row per configuration, the best final value of the metric first."""
     several, metric = len(report["seeds"]) > 1, report["metric"]
-    short = {"val_loss": "loss", "val_bpb": "bpb"}[metric]
+    short = metric.removeprefix("val_")  # loss, bpb
 
     def final(r: dict[str, Any], key: str) -> str:
         if r.get(f"final_{key}") is None:
@@ -432,7 +432,8 @@ def table(report: dict[str, Any]) -> str:
              f"| config | steps | tokens | wall s | tokens/s | final val loss | val bpb | Δ {short} vs baseline "
              f"| time to baseline's {short} |",
              "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in sorted(report["configs"], key=lambda r: r.get(f"final_{metric}") or math.inf):
+    for r in sorted(report["configs"], key=lambda r: math.inf if r.get(f"final_{metric}") is None
+                    else r[f"final_{metric}"]):
         name = f"**{r['name']}**" if r["name"] == report["baseline"] else r["name"]
         if "final_val_loss" not in r:
             lines.append(f"| {name} | {r['steps']:,} | {r['tokens']:,} | failed | | | | | |")
