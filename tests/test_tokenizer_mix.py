@@ -76,17 +76,57 @@ def test_evaluation_sets_and_measures(tmp_path):
         pytest.approx(4.0)
 
 
+def test_added_documents_are_the_trainers_training_split_without_heldout_passages(tmp_path):
+    import numpy as np
+
+    from dataset.token_cache import in_validation
+
+    heldout = "A passage of the held-out side, long enough to be caught whatever its alignment: " * 2
+    rows = [{"text": f"Demo document {i} about foxes and the lazy dog, told once more." * 3} for i in range(400)]
+    rows[7]["text"] = "Its own words first. " + heldout[5:70] + " Then its own words again."
+    rows[8]["text"] = "Shares only a short phrase: " + heldout[:build.WINDOW - 1]
+    path = write_jsonl(tmp_path / "demo.jsonl", rows)
+    is_val = in_validation(np.arange(1, 401), 0.05, 3)
+    assert 0 < is_val.sum() < 400 and not is_val[7] and not is_val[8]
+    added = build.added_documents([path], 0.05, 3, [heldout])
+    expected = [r["text"] for i, r in enumerate(rows) if not is_val[i] and i != 7]
+    assert added.texts == expected  # file order, the validation split and the shared passage left out
+    assert added.files[0] | {"sha256": None} == {
+        "file": "demo.jsonl", "sha256": None, "docs": 400, "validation_docs": int(is_val.sum()),
+        "sharing_heldout_text": 1, "added_docs": len(expected), "added_bytes": sum(len(t.encode()) for t in expected)}
+    # a 2 x WINDOW - 1 passage is caught at every offset; a passage shorter than WINDOW never is
+    index = build.passage_index([heldout])
+    for start in range(build.WINDOW):
+        assert build.shares_passage("x" + heldout[start:start + 2 * build.WINDOW - 1] + "y", index)
+    assert not build.shares_passage(heldout[:build.WINDOW - 1], index)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": 1}\n')
+    with pytest.raises(build.DataError, match="bad.jsonl:2"):
+        build.added_documents([bad], 0.0, 0, [])
+
+
 def test_build_writes_a_checked_tokenizer_and_its_numbers(tmp_path, capsys):
     out = tmp_path / "tok"
-    assert build.main(["--data_path", str(corpus(tmp_path)), "--out_dir", str(out), "--vocab_size", "400",
-                       "--train_mb", "0.02", "--compare", str(DEFAULT_TOKENIZER_DIR)]) == 0
+    added = write_jsonl(tmp_path / "added.jsonl", [{"text": f"Zanzibar quokka {i}. " * 20} for i in range(40)])
+    argv = ["--data_path", str(corpus(tmp_path)), "--vocab_size", "400", "--train_mb", "0.02"]
+    assert build.main(argv + ["--out_dir", str(out), "--compare", str(DEFAULT_TOKENIZER_DIR),
+                              "--add_train", str(added)]) == 0
     tok = Tokenizer(out)
     assert tok.vocab_size == 400 and (tok.eot_id, tok.im_start_id, tok.im_end_id) == (0, 1, 2)
     summary = json.loads((out / "compression.json").read_text())
     assert summary["tokenizer_sha256"] == tok.sha256
     assert summary["mix"]["zh_share"] == build.ZH_SHARE and set(summary["mix"]["drawn_bytes"]) == set(build.GROUPS)
     assert summary["compared"]["tokenizer"]["tokenizer_sha256"] == Tokenizer(DEFAULT_TOKENIZER_DIR).sha256
-    assert "chat-zh" in capsys.readouterr().out
+    assert summary["added"]["files"][0]["added_docs"] == 40 - summary["added"]["files"][0]["validation_docs"]
+    assert set(summary["by_kind"]) == set(summary["compared"]["tokenizer"]["by_kind"]) and \
+        {"the demo pretraining corpus, en", "the demo pretraining corpus, zh"} <= set(summary["by_kind"])
+    printed = capsys.readouterr().out
+    assert "chat-zh" in printed and "added added.jsonl: " in printed
+    # the added documents are trained on: their words become tokens, which they do not without them
+    without = tmp_path / "without"
+    assert build.main(argv + ["--out_dir", str(without), "--add_train"]) == 0
+    assert len(tok.encode(" Zanzibar quokka")) < len(Tokenizer(without).encode(" Zanzibar quokka"))
+    assert json.loads((without / "compression.json").read_text())["added"]["files"] == []
 
 
 def test_bad_input_is_a_one_line_error(tmp_path, capsys):
