@@ -49,7 +49,7 @@ from model.inference import (
     token_byte_lengths,
 )
 from model.probes import Probe, read_prompt_file, run_probes
-from model.scoring import TaskScore, score_items, task_table, write_scores
+from model.scoring import TaskScore, kind_table, score_items, task_table, write_scores
 from model.stats import RouterLoad
 from model.sweep import SettingResult, SweepReport, SweepSpec, parse_sweep, run_sweep
 from model.tool_use import run_tools
@@ -240,6 +240,8 @@ class Evaluator:
             how = "answers generated" if task.kind == "generate" else "items scored"
             note(f"{task.name}: {len(task.items)} {how} in {time.perf_counter() - t0:.1f}s")
         print(task_table(scores), flush=True)
+        if kinds := kind_table(scores):
+            print(f"\n{kinds}", flush=True)
         return scores
 
     def perplexity(self, path: str, limit: int | None = None, window: int | None = None) -> None:

@@ -8,7 +8,7 @@ Two line formats, mixed freely:
         {"id": "q1", "context": "Question: ...\\nAnswer:", "choices": [" a", " b", " c"], "gold": 1}
         {"id": "p1", "context": "The capital of France is", "continuation": " Paris"}
         {"id": "g1", "context": "Question: 2 + 3?\nAnswer:", "answer": "5", "stop": ["\n\n"], "max_new_tokens": 64}
-        {"id": "c1", "conversations": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}
+        {"id": "c1", "conversations": [{"role": "user", "content": "2 + 3?"}], "answer": "5", "kind": "sum"}
 An item with several choices is a ranked classification (accuracy: the choice of highest log-likelihood); one
 with one continuation (or a request line alone in its doc) is scored in bits per byte of that continuation. The
 request lines of one item may differ in their context (WinoGrande puts each option into the context and scores
@@ -18,7 +18,8 @@ with the native_id of the real doc) are left out.
 
 An item with an "answer" (a string, or a list of right ones) is a generation item: the model continues the context
 greedily until a stop string or max_new_tokens (DEFAULT_NEW_TOKENS), and the answer it gives is judged by
-common/answers.py (exact match). Request lines are generation items when their "request_type" is
+common/answers.py (exact match); its optional "kind" labels it, and the scores are broken down by kind too
+(scripts/build_math_demo.py labels each question so). Request lines are generation items when their "request_type" is
 "generate_until", or when the file is read with generate=True (OLMo's "generate_until_and_loglikelihood" files
 hold both a gold continuation and generation settings: "stop_sequences", "generation_kwargs.max_gen_toks", and
 the answer as "label"). A generation item with "conversations" (or "messages") instead of a context is a chat:
@@ -72,7 +73,8 @@ DEFAULT_TOOL_ROUNDS = 3  # a tool item's rounds of calls when it names none
 class GenerationItem:
     """One benchmark item answered by generation: the prompt (raw text, or chat turns as (role, content) pairs
     with context ""), the right answers (any one counts), the strings that end the output (cut at the first),
-    and the most tokens to generate."""
+    and the most tokens to generate; `kind`, a label of the item's own (a task file's "kind": results are broken
+    down by it)."""
 
     id: str
     context: str
@@ -80,6 +82,7 @@ class GenerationItem:
     stop: tuple[str, ...] = ()
     max_new_tokens: int = DEFAULT_NEW_TOKENS
     messages: tuple[tuple[str, str], ...] = ()
+    kind: str = ""
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ def _generation_line(record: dict[str, Any], item_id: str, where: str) -> Genera
     return GenerationItem(item_id, context, _answers(record["answer"], "answer", where),
                           _stops(record.get("stop", []), "stop", where),
                           _budget(record.get("max_new_tokens", DEFAULT_NEW_TOKENS), "max_new_tokens", where),
-                          messages)
+                          messages, _string(record, "kind", where) if "kind" in record else "")
 
 
 def _tool_line(record: dict[str, Any], item_id: str, where: str) -> ToolItem:

@@ -332,7 +332,8 @@ def task_totals(model: torch.nn.Module, kind: str, items: Sequence[Item] | Seque
     if kind == "generate":
         outputs = generate_outputs(model, items, tok, batch_size, autocast)  # type: ignore[arg-type]
         verdicts = [judge(output, item.answers) for output, item in zip(outputs, items)]  # type: ignore[union-attr]
-        samples = tuple({"id": item.id, "output": output, "answer": v.answer, "correct": v.correct}
+        samples = tuple({"id": item.id, **({"kind": item.kind} if item.kind else {}), "output": output,
+                         "answer": v.answer, "correct": v.correct}
                         for item, output, v in zip(items, outputs, verdicts))  # type: ignore[union-attr]
         return TaskTotals(kind, len(items), correct=sum(v.correct for v in verdicts),
                           stated=sum(v.stated for v in verdicts), samples=samples)
@@ -402,6 +403,25 @@ def centred_average(scores: Sequence[TaskScore]) -> float | None:
     return sum(centred) / len(centred) if centred else None
 
 
+def by_kind(score: TaskScore) -> dict[str, tuple[int, int]]:
+    """A generation task's (right, items) per kind of item (its task file's "kind" labels), in order of first
+    appearance; empty when its items have no kinds."""
+    counts: dict[str, list[int]] = {}
+    for sample in score.samples:
+        if "kind" in sample:
+            count = counts.setdefault(sample["kind"], [0, 0])
+            count[0] += bool(sample["correct"])
+            count[1] += 1
+    return {kind: (right, n) for kind, (right, n) in counts.items()}
+
+
+def kind_table(scores: Sequence[TaskScore]) -> str:
+    """Each labelled generation task's accuracy by kind, as a Markdown table ("" when no task has kinds)."""
+    rows = [f"| {s.name} | {kind} | {n} | {right / n:.4f} |"
+            for s in scores for kind, (right, n) in sorted(by_kind(s).items())]
+    return "\n".join(["| task | kind | items | acc |", "|---|---|--:|--:|", *rows]) if rows else ""
+
+
 def task_table(scores: Sequence[TaskScore]) -> str:
     """The scores as a Markdown table (a `stated` column when a generation task is among them, the tool-call
     columns when a tool task is), with the chance-centred average of the ranked-choice tasks."""
@@ -425,8 +445,10 @@ def task_table(scores: Sequence[TaskScore]) -> str:
 
 def write_scores(path: str | Path, scores: Sequence[TaskScore], **extra: object) -> None:
     """The scores as strict JSON: `extra` (e.g. the checkpoint), each task's (a generation task's outputs
-    too), and the centred average."""
-    doc = {**extra, "tasks": [{**dataclasses.asdict(s), "centred": s.centred} for s in scores],
+    too, and its accuracy by kind), and the centred average."""
+    doc = {**extra, "tasks": [{**dataclasses.asdict(s), "centred": s.centred,
+                               **({"by_kind": {k: {"items": n, "acc": r / n} for k, (r, n) in by_kind(s).items()}}
+                                  if by_kind(s) else {})} for s in scores],
            "centred_average": centred_average(scores)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")

@@ -378,7 +378,8 @@ def test_eval_model_scores_a_generation_task_file(tmp_path, capsys):
     model = PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3))
     save_model(model, tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
     gen = write_jsonl(tmp_path / "toy_gen.jsonl", [{"context": f"Q: {k} + 1?\nA:", "answer": str(k + 1),
-                                                    "stop": ["\n"], "max_new_tokens": 8} for k in range(4)])
+                                                    "stop": ["\n"], "max_new_tokens": 8, "kind": "ab"[k % 2]}
+                                                   for k in range(4)])
     argv = ["--checkpoint", str(tmp_path / "m"), "--task_file", str(gen), "--device", "cpu", "--dtype", "float32",
             "--out", str(tmp_path / "scores.json")]
     assert eval_model.main(argv) == 0
@@ -393,6 +394,22 @@ def test_eval_model_scores_a_generation_task_file(tmp_path, capsys):
     assert [s["id"] for s in row["samples"]] == ["toy_gen.jsonl:1", "toy_gen.jsonl:2", "toy_gen.jsonl:3",
                                                  "toy_gen.jsonl:4"]
     assert row["samples"] == [dict(s) for s in expected.samples] and len(expected.samples) == 4
+    # broken down by the items' "kind": printed and in the JSON
+    right = {kind: sum(s["correct"] for s in expected.samples if s["kind"] == kind) for kind in "ab"}
+    assert [s["kind"] for s in row["samples"]] == ["a", "b", "a", "b"]
+    assert row["by_kind"] == {k: {"items": 2, "acc": right[k] / 2} for k in "ab"}
+    assert f"| toy_gen | a | 2 | {right['a'] / 2:.4f} |\n| toy_gen | b | 2 | {right['b'] / 2:.4f} |" in out
+
+
+def test_accuracy_by_kind():
+    from model.scoring import TaskScore, by_kind, kind_table
+    samples = [{"kind": k, "correct": c} for k, c in [("max", True), ("sum", False), ("max", False), ("max", True),
+                                                       ("sum", False)]]
+    score = TaskScore("t", 5, acc=0.4, samples=tuple(samples))
+    assert by_kind(score) == {"max": (2, 3), "sum": (0, 2)}
+    assert kind_table([score]).splitlines()[2:] == ["| t | max | 3 | 0.6667 |", "| t | sum | 2 | 0.0000 |"]
+    unlabelled = TaskScore("u", 1, acc=1.0, samples=({"correct": True},))
+    assert by_kind(unlabelled) == {} and kind_table([unlabelled]) == ""
 
 
 def test_eval_model_task_file_errors_are_one_line(tmp_path, capsys):
@@ -401,6 +418,9 @@ def test_eval_model_task_file_errors_are_one_line(tmp_path, capsys):
     bad.write_text('{"context": "a", "choices": [" b", " c"], "gold": 7}\n')
     assert eval_model.main(["--checkpoint", str(tmp_path), "--task_file", str(bad)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {bad}:1: \"gold\" 7 is not one of the 2 choices")
+    bad.write_text('{"context": "a", "answer": "1"}\n{"context": "b", "answer": "2", "kind": 3}\n')
+    assert eval_model.main(["--checkpoint", str(tmp_path), "--task_file", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad}:2: \"kind\" must be a string, got int")
     assert eval_model.main(["--checkpoint", str(tmp_path), "--limit", "3"]) == 2
     assert "--limit: only with --tasks, --task_file or --ppl" in capsys.readouterr().err
 
