@@ -86,7 +86,7 @@ demo-post: install
 
 # Reinforcement learning with verifiable rewards on the demo SFT model (after `make demo`): a short SFT on the
 # bundled math task's answer format (recipes/demo-math-sft.yaml), then GRPO on its training questions
-# (recipes/demo-grpo.yaml), each scored on the 401 held-out questions (exact match, greedy) before and after.
+# (recipes/demo-grpo.yaml), each scored on the 600 held-out questions (exact match, greedy) before and after.
 MATH_HELDOUT := --task_file dataset/demo/math_heldout.jsonl
 demo-rl: install
 	$(PYTHON) train_full_sft.py --config recipes/demo-math-sft.yaml --out_dir $(DEMO_OUT) --overwrite \

@@ -1,12 +1,19 @@
-"""Build the bundled verifiable task: small arithmetic and counting questions in English and Chinese, each with
-one exact answer, for training on checked rewards and for measuring what a small model learned.
+"""Build the bundled verifiable task: small arithmetic, comparison and counting questions in English and Chinese,
+each with one exact answer, for training on checked rewards and for measuring what a small model learned.
 
     python scripts/build_math_demo.py          # writes dataset/demo/math_{train,heldout,sft}.jsonl
 
-Six kinds of question, each in both languages: a + b and a - b (0..20, never negative), the larger of two numbers,
-the number after n, the letters of an English word or the characters of a Chinese word, and the count of one
-letter repeated in a short run. Every question that can be asked is enumerated, shuffled with --seed and split:
-about --heldout questions (spread over the kinds and languages in proportion) are never in the training files.
+Nine kinds of question, each in both languages: a + b and a - b (0..20, never negative), the larger and the
+smaller of two numbers (0..20), the largest and the smallest of three (0..12), the number after n, the letters of
+an English word or the characters of a Chinese word, and the count of one letter repeated in a short run.
+
+The comparisons are the kinds a model can learn from checked rewards alone: their answer is one of the numbers
+in the question, so sampling finds it often (one of two or three numbers) and a rule learned on some questions
+carries over to the rest. A sum found by sampling is right for one pair of numbers only; the sums,
+differences and the next number stay in the task as the kinds that a 4.6M-parameter model does not learn this way
+(docs/post-training.md#grpo reports every kind before and after). Every question that can be asked is
+enumerated (each set of three numbers once, in one of its orders), shuffled with --seed and split: about
+--heldout questions (spread over the kinds and languages in proportion) are never in the training files.
 
     math_train.jsonl    {"conversations": [{"role": "user", ...}], "answer": "12", "kind": ..., "lang": ...}
     math_heldout.jsonl  the same format, the held-out questions
@@ -24,6 +31,7 @@ import argparse
 import json
 import random
 import sys
+from itertools import combinations, permutations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,9 +60,19 @@ def questions() -> list[dict[str, str]]:
                 add("sub", "en", f"What is {a} - {b}?", f"{a} - {b} = {a - b}", a - b)
                 add("sub", "zh", f"{a} 减 {b} 等于多少？", f"{a} 减 {b} 等于 {a - b}", a - b)
             if a != b:
-                big = max(a, b)
-                add("max", "en", f"Which is larger, {a} or {b}?", f"{big} is larger than {min(a, b)}", big)
-                add("max", "zh", f"{a} 和 {b} 哪个大？", f"{big} 比 {min(a, b)} 大", big)
+                big, small = max(a, b), min(a, b)
+                add("max", "en", f"Which is larger, {a} or {b}?", f"{big} is larger than {small}", big)
+                add("max", "zh", f"{a} 和 {b} 哪个大？", f"{big} 比 {small} 大", big)
+                add("min", "en", f"Which is smaller, {a} or {b}?", f"{small} is smaller than {big}", small)
+                add("min", "zh", f"{a} 和 {b} 哪个小？", f"{small} 比 {big} 小", small)
+    # three different numbers 0..12, each set once, in one of its six orders (by its place in the enumeration)
+    for i, triple in enumerate(combinations(range(13), 3)):
+        a, b, c = list(permutations(triple))[i % 6]
+        en, zh = f"{a}, {b} and {c}", f"{a}、{b}、{c}"
+        add("max3", "en", f"Which is the largest of {en}?", f"The largest of {en} is {max(triple)}", max(triple))
+        add("max3", "zh", f"{zh} 中哪个最大？", f"{zh} 中最大的是 {max(triple)}", max(triple))
+        add("min3", "en", f"Which is the smallest of {en}?", f"The smallest of {en} is {min(triple)}", min(triple))
+        add("min3", "zh", f"{zh} 中哪个最小？", f"{zh} 中最小的是 {min(triple)}", min(triple))
     for n in range(100):
         add("next", "en", f"What number comes after {n}?", f"After {n} comes {n + 1}", n + 1)
         add("next", "zh", f"{n} 后面的数是几？", f"{n} 后面是 {n + 1}", n + 1)
@@ -107,7 +125,7 @@ def write(path: Path, records: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default=str(ROOT / "dataset" / "demo"))
-    p.add_argument("--heldout", type=int, default=400, help="questions kept out of training")
+    p.add_argument("--heldout", type=int, default=600, help="questions kept out of training")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     items = questions()

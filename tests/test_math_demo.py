@@ -26,8 +26,10 @@ def recompute(question: str) -> int:
         return numbers[0] + numbers[1]
     if " - " in question or "减" in question:
         return numbers[0] - numbers[1]
-    if "larger" in question or "哪个大" in question:
+    if any(w in question for w in ("larger", "largest", "哪个大", "最大")):
         return max(numbers)
+    if any(w in question for w in ("smaller", "smallest", "哪个小", "最小")):
+        return min(numbers)
     if "after" in question or "后面" in question:
         return numbers[0] + 1
     quoted = re.findall(r"[\"“](.+?)[\"”]", question)
