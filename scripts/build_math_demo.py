@@ -11,7 +11,7 @@ The comparisons are the kinds a model can learn from checked rewards alone: thei
 in the question, so sampling finds it often (one of two or three numbers) and a rule learned on some questions
 carries over to the rest. A sum found by sampling is right for one pair of numbers only; the sums,
 differences and the next number stay in the task as the kinds that a 4.6M-parameter model does not learn this way
-(docs/post-training.md#grpo reports every kind before and after). Every question that can be asked is
+after a short SFT (docs/post-training.md#grpo reports every kind before and after). Every question that can be asked is
 enumerated (each set of three numbers once, in one of its orders), shuffled with --seed and split: about
 --heldout questions (spread over the kinds and languages in proportion) are never in the training files.
 
