@@ -446,9 +446,9 @@ def task_table(scores: Sequence[TaskScore]) -> str:
 def write_scores(path: str | Path, scores: Sequence[TaskScore], **extra: object) -> None:
     """The scores as strict JSON: `extra` (e.g. the checkpoint), each task's (a generation task's outputs
     too, and its accuracy by kind), and the centred average."""
-    doc = {**extra, "tasks": [{**dataclasses.asdict(s), "centred": s.centred,
-                               **({"by_kind": {k: {"items": n, "acc": r / n} for k, (r, n) in by_kind(s).items()}}
-                                  if by_kind(s) else {})} for s in scores],
-           "centred_average": centred_average(scores)}
+    def task_doc(s: TaskScore) -> dict[str, object]:
+        kinds = {k: {"items": n, "acc": r / n} for k, (r, n) in by_kind(s).items()}
+        return {**dataclasses.asdict(s), "centred": s.centred, **({"by_kind": kinds} if kinds else {})}
+    doc = {**extra, "tasks": [task_doc(s) for s in scores], "centred_average": centred_average(scores)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")

@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--zh_share and --zh_modern_share are shares between 0 and 1")
     if args.train_mb <= 0:
         p.error("--train_mb must be positive")
+    if not 0 <= args.val_fraction < 1:
+        p.error("--val_fraction must be in [0, 1), as the trainer's")
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):
         p.error("--vocab_size must cover the 256 byte tokens plus the special tokens")
 

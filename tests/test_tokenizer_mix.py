@@ -138,6 +138,8 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build.main(["--zh_share", "1.5"])
+    with pytest.raises(SystemExit):
+        build.main(["--val_fraction", "1"])
 
 
 def test_shipped_tokenizer_matches_its_compression_record():
