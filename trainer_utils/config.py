@@ -23,6 +23,7 @@ from dataset.config import DataConfig
 from model.config import get_preset, model_flags, switches
 from model.inference import DeviceConfig
 
+from .budget import parse_duration
 from .objectives import POLICY_LOSSES
 from .runtime import compile_toolchain_problem
 from .stages import Stage, get_stage
@@ -50,6 +51,10 @@ class OptimConfig:
     title: ClassVar[str] = "optimization"
     epochs: int = option(1, "passes over the training data", at_least=1)
     max_steps: int | None = option(None, "optimizer steps (overrides --epochs)", at_least=1)
+    time_budget: str | None = option(None, "train for this long (90s, 10m, 2h; setting up included): the steps "
+                                           "are planned from measured step, evaluation and checkpoint times, the "
+                                           "schedule laid over them; --max_steps / --epochs stay upper bounds",
+                                     metavar="DURATION")
     batch_size: int = option(32, "sequences per micro-batch per device", at_least=1)
     accumulation_steps: int = option(1, "micro-batches per optimizer step", at_least=1)
     learning_rate: float = option(5e-4, "peak learning rate", above=0)
@@ -228,6 +233,8 @@ class TrainConfig:
         """Cross-setting checks that need nothing slow (no data, model or device), so they fail at once."""
         if self.optim.optimizer == "auto":  # pretraining's default: Muon where it can run
             self.optim.optimizer = "adamw" if self.precision.deepspeed is not None else "muon"
+        if self.optim.time_budget is not None:
+            parse_duration(self.optim.time_budget)  # a bad duration is refused before anything slow
         if self.run.resume and self.run.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other")
         if self.eval.early_stopping and not self.run.checkpoints:

@@ -16,21 +16,35 @@ import dataclasses
 import gc
 import json
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from common.config import RESOLVED_KEY, to_dict
-from common.device import dtype_name, precision_policy
+from common.device import dtype_name, precision_policy, synchronize
 from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
 from common.files import TRAIN_CONFIG_NAME, write_atomic
 from model.loading import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, load_state_into, read_state_dict
 from model.lora import load_lora_state_dict, save_lora
 
+from .budget import (
+    PLAN_KEY,
+    PROBE_DIR_NAME,
+    BudgetClock,
+    BudgetPlan,
+    Costs,
+    format_duration,
+    make_plan,
+    median,
+    parse_duration,
+    probe_count,
+    process_age,
+)
 from .checkpoint import load_training_state, new_staging_dir, save_checkpoint, staging_dir
 from .components import COMPONENTS, StepOutcome, Stop, every
 from .config import TrainConfig, parse_train_config
@@ -68,9 +82,13 @@ class Trainer:
     trouble, which ends it with `fallback` set when the run should continue in a wider precision). It owns the
     step, the backend, the model, optimizer and schedule; the components read its public attributes."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, plan: BudgetPlan | None = None, budget_clock: BudgetClock | None = None
+                 ) -> None:
         s, c = session, session.config
         self.session, self.config, self.backend = s, c, s.backend
+        # a --time_budget run's decision and the clock it is held to (trainer_utils/budget.py); None: steps as given
+        self.plan, self.budget_clock = plan, budget_clock
+        self.run_dir = s.run_dir  # where checkpoints go (a scratch directory while the budget probe runs)
         self.device, self.precision = s.backend.device, s.backend.precision
         o = c.optim
         seed_everything(o.seed)
@@ -84,10 +102,13 @@ class Trainer:
         world = self.backend.world_size
         self.samples_per_step = o.batch_size * o.accumulation_steps * world
         steps_per_epoch = max(1, len(s.train_data) // self.samples_per_step)
-        self.total_steps = o.max_steps or o.epochs * steps_per_epoch
-        warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * self.total_steps)
+        self.step_limit = o.max_steps or o.epochs * steps_per_epoch  # a time budget's plan stays within it
+        planned = plan.steps if plan is not None else self.step_limit
+        warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * planned)
         min_lr = o.min_lr if o.min_lr is not None else o.learning_rate / 10
-        self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, self.total_steps)
+        self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, planned)
+        for r in plan.replans if plan is not None else ():  # a resumed budget run's, as they were made
+            self.scheduler.replan(r["step"], r["steps"])
         self.objective: Objective = s.objective(self.device)
         self.stage_state = s.stage.prepare(self)  # what the stage's hooks keep for this run
         # the parameter through which an empty step's gradients are made NaN (see train_step)
@@ -132,6 +153,17 @@ class Trainer:
             self.resolved["precision_fallback"] = s.fallbacks
         for component in self.components:
             self.resolved.update(component.describe())
+
+    @property
+    def total_steps(self) -> int:
+        """The step training ends at: the schedule's end (a time budget's re-plan moves it)."""
+        return self.scheduler.end
+
+    def replan(self, end: int) -> None:
+        """End training at step `end` instead, the rest of the schedule laid over the steps up to it."""
+        self.scheduler.replan(self.state.step, end)
+        if self.logger is not None:
+            self.logger.set_total(end)
 
     # ------------------------------------------------------------------------- state
     def _restore(self, ckpt: Path) -> None:
@@ -178,9 +210,9 @@ class Trainer:
         self.sync_counters()
         self.state.train_time_s = self.clock.elapsed()
         if backend.is_main:
-            new_staging_dir(s.run_dir, step)
+            new_staging_dir(self.run_dir, step)
         backend.barrier()
-        backend_state = backend.save_state(staging_dir(s.run_dir, step))
+        backend_state = backend.save_state(staging_dir(self.run_dir, step))
         weights = backend.master_weights(self.model) if s.lora is None else None
         backend.barrier()
         if backend.is_main:
@@ -195,7 +227,7 @@ class Trainer:
             if s.fallbacks:
                 info["precision_fallback"] = s.fallbacks
             write = None if s.lora is None else lambda d: save_lora(self.model, d, s.lora, s.base_ref, s.tokenizer.path)
-            save_checkpoint(s.run_dir, step, self.model, state, info, s.tokenizer.path, self.config.run.keep_last,
+            save_checkpoint(self.run_dir, step, self.model, state, info, s.tokenizer.path, self.config.run.keep_last,
                             write, weights)
         backend.barrier()
         self.last_saved = step
@@ -314,6 +346,46 @@ class Trainer:
         for component in self.components:
             component.after_step(self, outcome)
 
+    def probe(self, budget_s: float) -> Costs:
+        """What this run's steps, evaluations and checkpoints cost, measured as fit() takes them, for a time
+        budget's plan (trainer_utils/budget.py): a warm-up step, a few timed steps, one checkpoint (into a scratch
+        directory, deleted after) and one evaluation round. The model trains on the way: discard this Trainer.
+        Every rank takes the same number of steps and gets the same, averaged, costs."""
+        s, backend = self.session, self.backend
+        self.logger = MetricsLogger(s.run_dir, False, 0, 0, {})  # the probe logs nothing
+        feeder = StepFeeder(s.train_data, self.config.optim.batch_size, self.config.optim.accumulation_steps,
+                            backend.rank, backend.world_size, 0, self.device)
+        mean = lambda values: (backend.all_reduce_sum(torch.tensor(  # noqa: E731
+            values, device=self.device, dtype=torch.float64)) / backend.world_size).tolist()
+
+        def timed(work: Callable[[], Any]) -> float:
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            work()
+            synchronize(self.device)
+            return time.perf_counter() - t0
+
+        self.model.train()
+        try:
+            first_s = mean([timed(lambda: self._optimizer_step(feeder))])[0]
+            steps = [timed(lambda: self._optimizer_step(feeder)) for _ in range(probe_count(first_s, budget_s))]
+        finally:
+            feeder.close()
+        save_s = 0.0
+        self.run_dir = s.run_dir / PROBE_DIR_NAME
+        try:
+            if self.config.run.checkpoints:
+                save_s = timed(self.save)
+            step = self.state.step  # an evaluation round as the last step has it: every component then due
+            eval_s = timed(lambda: [c.run(self) for c in self.components if c.pauses_clock and c.due(step, step)])
+        finally:
+            backend.barrier()
+            if backend.is_main:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+        step_s, eval_s, save_s = mean([median(steps), eval_s, save_s])
+        return Costs(step_s=step_s, first_extra_s=max(0.0, first_s - step_s), eval_s=eval_s, save_s=save_s,
+                     timed_steps=len(steps))
+
     def train_step(self, micro: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
         """Forward/backward every micro-batch, then one optimizer step; returns the summed loss (the objective's
         metrics, summed too, are left in self.step_metrics). A mixture of experts adds its routers' losses,
@@ -350,31 +422,80 @@ def is_peer_failure(e: RuntimeError) -> bool:
     return re.search(r"(?i)connection (closed|reset|refused)|timed? ?out|by peer|nccl|gloo", str(e)) is not None
 
 
+def plan_budget(session: Session, clock: BudgetClock) -> BudgetPlan | None:
+    """A --time_budget run's plan: the one its checkpoint recorded when it resumes (nothing measured again), else
+    made from a probe of this run's costs. None without a budget."""
+    o, is_main = session.config.optim, session.env.rank == 0
+    budget_s = parse_duration(o.time_budget) if o.time_budget is not None else None
+    saved = load_training_state(session.resume_from).get(PLAN_KEY) if session.resume_from is not None else None
+    if saved:
+        plan = BudgetPlan.from_dict(saved)
+        if budget_s is not None and budget_s != plan.budget_s:
+            raise ConfigError(f"--time_budget {o.time_budget}: {session.run_dir} was planned for "
+                              f"{format_duration(plan.budget_s)} ({plan.steps} steps); resume it with that budget "
+                              "or none (the plan is kept), or start a new run")
+        if clock.spent_before is None:  # this process's first plan: the budget spent before it goes on counting
+            clock.spent_before = plan.used_s
+        if is_main:
+            print(f"time budget {format_duration(plan.budget_s)}: resuming the plan of {plan.end} steps, "
+                  f"{format_duration(clock.spent())} of it spent", file=sys.stderr)
+        return plan
+    if budget_s is None:
+        return None
+    if session.resume_from is not None:
+        raise ConfigError(f"--time_budget: {session.run_dir} was started without one; its steps are fixed (resume "
+                          "it without --time_budget, or start a new run)")
+    clock.spent_before = 0.0
+    probe = Trainer(session)
+    try:
+        costs, limit = probe.probe(budget_s), probe.step_limit
+    finally:
+        del probe  # its model and optimizer must not coexist with the run's
+        free_memory(session.device)
+    c = session.config
+    plan = make_plan(budget_s, clock.spent(), costs, limit, c.eval.eval_interval,
+                     c.run.save_interval if c.run.checkpoints else None)
+    if is_main:
+        print(plan.summary(), file=sys.stderr)
+    return plan
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(stage: Stage | str, argv: list[str] | None, description: str | None) -> int:
     """A training script's whole entry point: parse its flags and --config, then train."""
+    started = time.perf_counter() - process_age()  # a --time_budget counts from the process's start
     try:
         config = parse_train_config(stage, argv, description)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run(config, stage)
+    return run(config, stage, started)
 
 
-def run(config: TrainConfig, stage: Stage | str) -> int:
+def run(config: TrainConfig, stage: Stage | str, started: float | None = None) -> int:
     """Build the session and train. Errors that are the user's to fix become one `error: ...` line: exit 2
-    for bad flags, data or checkpoints (nothing trained), 1 when training itself had to stop."""
+    for bad flags, data or checkpoints (nothing trained), 1 when training itself had to stop. `started`: the
+    perf_counter() a --time_budget counts from (default: now)."""
     session = None
+    clock = BudgetClock(time.perf_counter() if started is None else started)
     try:
         session = Session(config, stage)
         while True:
-            trainer = Trainer(session)
+            plan = plan_budget(session, clock)  # after a precision fallback: the checkpoint's, resumed
+            trainer = Trainer(session, plan, clock)
             exit_code, fallback = trainer.fit(), trainer.fallback
             del trainer  # the next Trainer's model and optimizer must not coexist with this one's
+            if plan is not None and session.env.rank == 0:
+                print(f"time budget {format_duration(plan.budget_s)}: {format_duration(clock.spent())} spent "
+                      f"({clock.spent() / plan.budget_s:.0%})", file=sys.stderr)
             if fallback is None:
                 return exit_code
-            gc.collect()
-            if session.device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_memory(session.device)
             session.fall_back(fallback)
     except PocketLMError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -151,6 +151,12 @@ class MetricsLogger:
             import wandb
             self.wandb.log({name: wandb.Histogram(v.float().numpy()) for name, v in values.items()}, step=step)
 
+    def set_total(self, total: int) -> None:
+        """The progress bar's end moved (a time budget's re-plan)."""
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)

@@ -118,20 +118,41 @@ class WarmupCosine:
 
     A group with an "lr_scale" gets that multiple of the schedule (Muon's matrices). The optimizer step count
     is the only state, so resuming restores the schedule exactly.
+
+    replan(step, end) (a --time_budget run whose machine ran slower or faster than measured, trainer_utils/
+    budget.py) lays the rest of the schedule, from `step` on, over the steps up to `end` instead: the learning
+    rate stays continuous and still reaches min_lr at the new last step. The re-plans are the budget plan's, which
+    the checkpoint keeps; the Trainer applies them again on resume.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float, min_lr: float, warmup: int,
                  total: int) -> None:
         self.optimizer, self.max_lr, self.min_lr = optimizer, max_lr, min_lr
         self.warmup, self.total = warmup, max(total, 1)
+        self.end = self.total  # the step the schedule ends at (total, until a re-plan)
+        # (from step, the schedule's position there, positions per step): one segment until a re-plan
+        self.segments: list[tuple[int, float, float]] = [(0, 0.0, 1.0)]
         self.step_count = 0
         self._apply()
 
+    def position(self, step: int) -> float:
+        """Where optimizer step `step` is on the schedule of `total` steps (the step itself, until a re-plan)."""
+        start, at, rate = next(seg for seg in reversed(self.segments) if seg[0] <= step)
+        return at + (step - start) * rate
+
+    def replan(self, step: int, end: int) -> None:
+        """From optimizer step `step` on, finish the schedule at `end` (ending at `step` itself stops it there)."""
+        if end > step:
+            at = self.position(step)
+            self.segments.append((step, at, (self.total - at) / (end - step)))
+        self.end = end
+
     def lr_at(self, step: int) -> float:
         """Learning rate used for optimizer step number `step` (0-based)."""
-        if step < self.warmup:
-            return self.max_lr * (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        x = self.position(step)
+        if x < self.warmup:
+            return self.max_lr * (x + 1) / self.warmup
+        progress = min(1.0, (x - self.warmup) / max(1, self.total - self.warmup))
         return self.min_lr + 0.5 * (self.max_lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 
     def _apply(self) -> None:

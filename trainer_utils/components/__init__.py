@@ -1,10 +1,12 @@
 """The in-loop extras, one module each (components/base.py says what a component is). They run in this order
-after each step: the log, the precision fallback's check (it reads the counters the log synced), then at
+after each step: the time budget's guard (first: a re-plan that ends the run here makes this step's evaluation
+and checkpoint the last), the log, the precision fallback's check (it reads the counters the log synced), then at
 evaluations the validation loss, the downstream tasks, layer statistics, samples and probes, and early stopping
 (which reads the validation loss); the memory check wraps the one step it measures."""
 from __future__ import annotations
 
 from .base import Component, StepOutcome, Stop, every
+from .budget import TimeBudgetGuard
 from .downstream import DownstreamEval
 from .early_stop import EarlyStopping
 from .evaluation import Evaluation
@@ -14,7 +16,7 @@ from .log import TrainLog
 from .memory import MemoryCheck
 from .samples import SamplesAndProbes
 
-COMPONENTS: tuple[type[Component], ...] = (TrainLog, NonfiniteGuard, Evaluation, DownstreamEval, LayerStats,
-                                           SamplesAndProbes, EarlyStopping, MemoryCheck)
+COMPONENTS: tuple[type[Component], ...] = (TimeBudgetGuard, TrainLog, NonfiniteGuard, Evaluation, DownstreamEval,
+                                           LayerStats, SamplesAndProbes, EarlyStopping, MemoryCheck)
 
 __all__ = ["COMPONENTS", "Component", "StepOutcome", "Stop", "every"]

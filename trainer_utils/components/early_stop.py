@@ -43,7 +43,7 @@ class EarlyStopping(Component):
             b.update(val_loss=val_loss, step=step, evals_since=0)
             trainer.save()  # a no-op when this step is already saved
             if trainer.backend.is_main:
-                mark_best(trainer.session.run_dir, checkpoint_dir(trainer.session.run_dir, step))
+                mark_best(trainer.run_dir, checkpoint_dir(trainer.run_dir, step))
         else:
             b["evals_since"] += 1
         reason = None

@@ -1,0 +1,219 @@
+"""--time_budget: durations, the plan's arithmetic, the schedule's re-plan, a budget run against --max_steps N,
+resume of the recorded plan, re-planning when the machine slows down or speeds up, and bad values."""
+from __future__ import annotations
+
+import json
+import math
+import time as real_time
+
+import pytest
+import torch
+from test_train import flags, stop_at, weights
+
+import train_pretrain
+from common.errors import ConfigError, TrainingError
+from trainer_utils import budget as budget_mod
+from trainer_utils import loop as loop_mod
+from trainer_utils import metrics as metrics_mod
+from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
+from trainer_utils.checkpoint import latest_checkpoint, load_training_state
+from trainer_utils.optim import WarmupCosine
+
+from conftest import read_metrics, strict_records
+
+
+@pytest.mark.parametrize("text,seconds", [("90s", 90), ("10m", 600), ("2h", 7200), ("1h30m", 5400), ("1.5h", 5400),
+                                          ("600", 600), (" 45S ", 45), ("2m30s", 150), (300, 300)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0", "0s", "-5m", "2 hours", "", "10x", "m", "1h-5m", "1e3", "30m1h"])
+def test_bad_durations_are_refused(text):
+    with pytest.raises(ConfigError, match="--time_budget"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize("value", ["0", "-5m", "2 hours"])
+def test_a_bad_budget_is_a_one_line_error_before_anything_runs(corpus, tmp_path, capsys, value):
+    assert train_pretrain.main([*flags(corpus, tmp_path), f"--time_budget={value}"]) == 2  # '=': "-5m" is no flag
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --time_budget") and not (tmp_path / "run").exists(), err
+
+
+def test_count_due_counts_what_every_counts():
+    for interval in (1, 3, 4, 7):
+        for after in range(0, 12):
+            for end in range(after, 25):
+                expected = sum(1 for s in range(after + 1, end + 1) if s % interval == 0 or s == end)
+                assert count_due(after, end, interval) == expected, (after, end, interval)
+
+
+COSTS = Costs(step_s=1.0, first_extra_s=2.0, eval_s=5.0, save_s=0.5, timed_steps=3)
+
+
+def test_the_plan_is_the_most_steps_that_fit():
+    plan = make_plan(600.0, 30.0, COSTS, limit=10_000, eval_interval=100, save_interval=50)
+    left = TARGET * 600 - 30 - 2
+    n = plan.steps
+    assert plan.time_for(0, n, 1.0) <= left < plan.time_for(0, n + 1, 1.0)
+    # 514 steps: 514 s + 6 evaluations (5 multiples of 100 and the last) * 5 s + 11 checkpoints * 0.5 s = 549.5 s
+    assert (n, count_due(0, n, 100), count_due(0, n, 50)) == (514, 6, 11)
+    assert "514 steps" in plan.summary() and "6 evaluations" in plan.summary()
+    assert make_plan(600.0, 30.0, COSTS, limit=300, eval_interval=100, save_interval=50).steps == 300  # the bound
+    no_saves = make_plan(600.0, 30.0, COSTS, limit=10_000, eval_interval=100, save_interval=None)
+    assert no_saves.save_s == 0 and no_saves.steps > n
+    with pytest.raises(TrainingError, match="leaves no time to train"):
+        make_plan(60.0, 50.0, COSTS, limit=100, eval_interval=100, save_interval=50)
+
+
+def test_replan_keeps_a_plan_on_time_and_moves_one_that_is_not():
+    plan = make_plan(1000.0, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), limit=2000, eval_interval=10**9, save_interval=None)
+    assert plan.steps == 970
+    assert replan(plan, 100, 100.0, 1.0) is None  # on time
+    slower = replan(plan, 100, 100.0, 1.5)  # 870 steps left would end at 1405 s
+    assert slower == 100 + int((970 - 100) / 1.5)
+    faster = replan(plan, 100, 100.0, 0.8)  # would end at 796 s: more steps fit, and --max_steps allows them
+    assert faster == 100 + int(870 / 0.8)
+    capped = make_plan(1000.0, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), limit=970, eval_interval=10**9, save_interval=None)
+    assert replan(capped, 100, 100.0, 0.5) is None  # no room above the limit
+    assert replan(plan, 500, 995.0, 1.0) == 500  # the budget is spent: end here
+
+
+def test_a_replanned_schedule_is_continuous_and_still_reaches_the_minimum():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    plain = WarmupCosine(opt, max_lr=1.0, min_lr=0.1, warmup=10, total=100)
+    moved = WarmupCosine(opt, max_lr=1.0, min_lr=0.1, warmup=10, total=100)
+    assert [plain.lr_at(s) for s in range(100)] == [moved.lr_at(s) for s in range(100)]
+    moved.replan(40, 70)  # slower: the last 60 steps' decay in 30
+    assert [moved.lr_at(s) for s in range(41)] == [plain.lr_at(s) for s in range(41)]  # the past is kept
+    assert moved.end == 70 and moved.lr_at(70) == pytest.approx(0.1)
+    assert moved.lr_at(55) == pytest.approx(plain.lr_at(70))  # halfway through what is left
+    lrs = [moved.lr_at(s) for s in range(10, 71)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # still decaying, no jump
+    moved.replan(60, 90)  # then faster again
+    assert moved.lr_at(60) == pytest.approx(plain.lr_at(80)) and moved.lr_at(90) == pytest.approx(0.1)
+    moved.replan(62, 62)  # no time left: ends at once
+    assert moved.end == 62
+
+
+class VirtualTime:
+    """time.perf_counter for the loop, the train clock and the budget: seconds advanced by the test (each
+    optimizer step costs step_cost(step)), so the budget's decisions are deterministic."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return real_time.time()
+
+
+def virtual_clock(monkeypatch, step_cost) -> VirtualTime:
+    clock = VirtualTime()
+    for module in (loop_mod, metrics_mod, budget_mod):
+        monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(loop_mod, "process_age", lambda: 0.0)  # the budget starts with the test's main() call
+    real_step = loop_mod.Trainer._optimizer_step
+
+    def step(self, feeder):
+        clock.now += step_cost(self.state.step + 1)  # the step's time passes while it runs
+        real_step(self, feeder)
+
+    monkeypatch.setattr(loop_mod.Trainer, "_optimizer_step", step)
+    return clock
+
+
+def budget_flags(corpus, tmp_path, run, **over):
+    return flags(corpus, tmp_path, run, **{"time_budget": "40s", "max_steps": 100, "eval_interval": 10,
+                                           "save_interval": 10, "log_interval": 1, **over})
+
+
+def resolved(run_dir) -> dict:
+    return json.loads((run_dir / "train_config.json").read_text())["resolved"]
+
+
+def test_a_budget_run_trains_exactly_as_max_steps_of_its_plan(corpus, tmp_path, monkeypatch):
+    virtual_clock(monkeypatch, lambda step: 1.0)
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "budget")) == 0
+    plan = resolved(tmp_path / "budget")["time_budget"]
+    # a virtual second a step, nothing else costs: 0.97 * 40 s less the probe's steps (a warm-up and 2 timed)
+    assert (plan["step_s"], plan["timed_steps"], plan["setup_s"]) == (1.0, 2, 3.0)
+    assert plan["steps"] == 35 == resolved(tmp_path / "budget")["total_steps"] and plan["replans"] == []
+    monkeypatch.undo()
+    assert train_pretrain.main(flags(corpus, tmp_path, "fixed", max_steps=35, eval_interval=10, save_interval=10,
+                                     log_interval=1)) == 0
+    a, b = read_metrics(tmp_path / "budget"), read_metrics(tmp_path / "fixed")
+    assert [m["loss"] for m in a] == [m["loss"] for m in b] and [m["lr"] for m in a] == [m["lr"] for m in b]
+    wa, wb = weights(tmp_path / "budget"), weights(tmp_path / "fixed")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not (tmp_path / "budget" / budget_mod.PROBE_DIR_NAME).exists()  # the probe's scratch checkpoint
+
+
+def test_resume_continues_the_recorded_plan_bit_exactly(corpus, tmp_path, monkeypatch):
+    virtual_clock(monkeypatch, lambda step: 1.0)
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "straight")) == 0
+    stop_at(monkeypatch, 20)
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed")) == 0
+    state = load_training_state(latest_checkpoint(tmp_path / "resumed"))
+    assert state["time_budget"]["steps"] == 35 and state["time_budget"]["used_s"] > 20
+    monkeypatch.undo()
+    virtual_clock(monkeypatch, lambda step: 1.0)
+    monkeypatch.setattr(loop_mod.Trainer, "probe", lambda *a: pytest.fail("a resumed plan is not measured again"))
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed", resume=True)) == 0
+    wa, wb = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == list(range(1, 36))
+    # another budget than the plan's is refused
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed", resume=True, time_budget="1h")) == 2
+
+
+def test_a_run_without_a_budget_is_not_resumed_with_one(corpus, tmp_path, capsys):
+    assert train_pretrain.main(flags(corpus, tmp_path, "plain", max_steps=4)) == 0
+    assert train_pretrain.main(flags(corpus, tmp_path, "plain", max_steps=8, resume=True, time_budget="1m")) == 2
+    assert "started without one" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cost,ends", [(3.0, "earlier"), (0.5, "later")])
+def test_a_slower_or_faster_machine_is_replanned_to_end_within_the_budget(corpus, tmp_path, monkeypatch, cost,
+                                                                           ends):
+    # 1 s a step while the probe measures, then `cost` from step 10 on
+    clock = virtual_clock(monkeypatch, lambda step: 1.0 if step < 10 else cost)
+    started = clock.now
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "run")) == 0
+    records = strict_records(tmp_path / "run")
+    events = [r for r in records if r.get("event") == "time_budget"]
+    last = read_metrics(tmp_path / "run")[-1]
+    assert events and events[0]["planned_steps"] == 35
+    assert (last["step"] < 35) if ends == "earlier" else (last["step"] > 35)
+    assert last["step"] == events[-1]["steps"]
+    spent = clock.now - started
+    assert 0.90 * 40 <= spent <= 40, spent  # the goal: 90-105% of the budget; with virtual time, within it
+    min_lr = 1e-3 / 10
+    assert last["lr"] == pytest.approx(min_lr)  # the decay completed at the new last step
+    assert (tmp_path / "run" / "latest").read_text().strip().endswith(f"step_{last['step']:08d}")
+    plan = load_training_state(latest_checkpoint(tmp_path / "run"))["time_budget"]
+    assert plan["replans"] and plan["replans"][-1]["steps"] == last["step"]
+
+
+def test_the_plan_refuses_a_budget_setting_up_already_spent(corpus, tmp_path, monkeypatch, capsys):
+    virtual_clock(monkeypatch, lambda step: 10.0)
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "run", time_budget="30s")) == 1
+    err = capsys.readouterr().err
+    assert "error: --time_budget 30.0s leaves no time to train" in err, err
+
+
+def test_the_probe_times_a_few_steps_within_a_share_of_the_budget():
+    assert budget_mod.probe_count(0.01, 600) == 12  # fast steps: up to 12
+    assert budget_mod.probe_count(1.0, 600) == 3  # at least 3
+    assert budget_mod.probe_count(20.0, 600) == 1  # slow steps: within 5% of the budget
+    assert math.isclose(parse_duration("1h"), 3600)
+
+
+def test_the_plan_round_trips_through_a_checkpoint_dict():
+    plan = make_plan(600.0, 30.0, COSTS, limit=10_000, eval_interval=100, save_interval=50)
+    plan.replans.append({"step": 10, "steps": 400, "step_s": 1.2, "spent_s": 50.0})
+    again = BudgetPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan and again.end == 400

@@ -1,0 +1,209 @@
+"""Training to a time budget (--time_budget 10m): how many optimizer steps fit, decided once from measured costs.
+
+Before the first step, the run is probed (loop.py Trainer.probe: a throwaway Trainer takes a warm-up step, a few
+timed steps, one evaluation round and one checkpoint, exactly as the run will); the budget's clock starts when
+the script does, so setting up (tokenizing, building the model, the probe) is paid from it. The plan is then the
+most steps whose time, with every evaluation and checkpoint they bring, ends the run at TARGET of the budget:
+
+    steps * step_s + evaluations(steps) * eval_s + checkpoints(steps) * save_s  <=  TARGET * budget - spent
+
+and the learning-rate schedule (warm-up, cosine to the minimum) is laid over exactly those steps, so a budget run
+that plans N steps trains as `--max_steps N` does, bit for bit. --max_steps and --epochs stay upper bounds.
+
+While training, the guard component (components/budget.py) projects the end from the recent step time every
+`check_every` steps (about every 1% of the budget). When the machine slows down (or runs faster than measured)
+and the projection leaves [LOW, HIGH] of the budget, the run is re-planned from that step: the rest of the
+schedule is stretched or compressed so the decay still completes at the new last step (optim.py
+WarmupCosine.replan), and the change is logged. The plan and its re-plans are saved in every checkpoint:
+--resume continues them, measuring nothing again, so resume stays bit-exact; every rank of a distributed run
+decides from the same all-reduced numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.errors import ConfigError, TrainingError
+
+TARGET = 0.97  # the plan ends the run here: 3% of the budget absorbs the noise of the measured step time
+HIGH = 0.995  # a projected end past this share of the budget re-plans shorter
+LOW = 0.94  # one before it re-plans longer (when --max_steps / --epochs leave room)
+CHECK_SHARE = 0.01  # the guard looks at the clock about this often (a share of the budget)
+PLAN_KEY = "time_budget"  # the plan's key in a checkpoint's training state (the guard component's name)
+PROBE_DIR_NAME = ".time-budget-probe"  # the probe's scratch checkpoints, inside the run directory
+
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Seconds in a duration: '90s', '10m', '2h', '1h30m', '1.5h', or a bare number of seconds ('600').
+    ConfigError for anything else, and for zero."""
+    s = str(text).strip().lower()
+    seconds = None
+    if re.fullmatch(r"\d+(?:\.\d+)?", s):
+        seconds = float(s)
+    elif s and (m := _DURATION.fullmatch(s)) and any(m.groups()):
+        seconds = sum(float(v) * unit for v, unit in zip(m.groups(), _UNITS.values()) if v)
+    if seconds is None:
+        raise ConfigError(f"--time_budget {text!r}: expected a duration such as 90s, 10m, 2h or 1h30m")
+    if seconds <= 0:
+        raise ConfigError(f"--time_budget {text!r}: a budget must be longer than zero")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """'1h 05m', '9m 41s', '42.0s'."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}h {m % 60:02d}m" if m >= 60 else f"{m}m {s:02d}s"
+
+
+def count_due(after: int, end: int, interval: int) -> int:
+    """How many of the steps after+1 .. end are multiples of `interval` or the last (what every() counts)."""
+    if end <= after:
+        return 0
+    return end // interval - after // interval + (1 if end % interval else 0)
+
+
+@dataclass
+class Costs:
+    """What the probe measured, in seconds (averaged over ranks)."""
+
+    step_s: float  # a steady optimizer step (the median of the timed ones)
+    first_extra_s: float  # what the first step took beyond a steady one (allocation, compilation)
+    eval_s: float  # one evaluation round: every component that runs at an evaluation step
+    save_s: float  # one checkpoint (0 with --no-checkpoints)
+    timed_steps: int  # steps the median is of
+
+
+@dataclass
+class BudgetPlan:
+    """The decision of a --time_budget run: saved in its checkpoints and continued on --resume."""
+
+    budget_s: float
+    steps: int  # the steps planned before the first one (the schedule's length, re-plans aside)
+    limit: int  # the most steps --max_steps / --epochs allow
+    step_s: float
+    first_extra_s: float
+    eval_s: float
+    save_s: float
+    eval_interval: int
+    save_interval: int  # a huge number with --no-checkpoints: the cost is 0 then anyway
+    setup_s: float  # seconds spent before the first planned step (setup and the probe)
+    check_every: int  # steps between the guard's looks at the clock
+    timed_steps: int = 0
+    replans: list[dict[str, Any]] = field(default_factory=list)  # {"step", "steps", "step_s", "reason"}
+    used_s: float = 0.0  # seconds of the budget spent when the last checkpoint was written
+
+    @property
+    def end(self) -> int:
+        """The step the run ends at now: the plan's, or its last re-plan's."""
+        return self.replans[-1]["steps"] if self.replans else self.steps
+
+    def time_for(self, after: int, end: int, step_s: float) -> float:
+        """Seconds from step `after` to the end of step `end`, with the evaluations and checkpoints due in them."""
+        return ((end - after) * step_s + count_due(after, end, self.eval_interval) * self.eval_s
+                + count_due(after, end, self.save_interval) * self.save_s)
+
+    def fit(self, seconds: float, after: int, step_s: float) -> int:
+        """The last step (>= after, <= limit) that the run can reach within `seconds` from step `after`."""
+        lo, hi = after, self.limit  # time_for grows with the end: bisect for the largest that fits
+        if self.time_for(after, hi, step_s) <= seconds:
+            return hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.time_for(after, mid, step_s) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def summary(self) -> str:
+        """The one line the run prints when it has planned."""
+        evals = count_due(0, self.steps, self.eval_interval)
+        saves = count_due(0, self.steps, self.save_interval) if self.save_s > 0 else 0
+        planned = self.setup_s + self.first_extra_s + self.time_for(0, self.steps, self.step_s)
+        why = "" if self.steps < self.limit else "; --max_steps / --epochs allow no more, so it ends early"
+        return (f"time budget {format_duration(self.budget_s)}: {self.steps} steps at {self.step_s:.3g} s "
+                f"(measured over {self.timed_steps} steps after a warm-up), {evals} evaluation"
+                f"{'s' if evals != 1 else ''} at {self.eval_s:.3g} s, {saves} checkpoint{'s' if saves != 1 else ''} "
+                f"at {self.save_s:.3g} s, {format_duration(self.setup_s)} set-up: ends at about "
+                f"{format_duration(planned)}{why}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BudgetPlan:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+def make_plan(budget_s: float, spent_s: float, costs: Costs, limit: int, eval_interval: int,
+              save_interval: int | None) -> BudgetPlan:
+    """The steps that fit in what is left of the budget (TrainingError when not even one does)."""
+    plan = BudgetPlan(budget_s=budget_s, steps=0, limit=limit, step_s=costs.step_s,
+                      first_extra_s=costs.first_extra_s, eval_s=costs.eval_s,
+                      save_s=costs.save_s if save_interval is not None else 0.0, eval_interval=eval_interval,
+                      save_interval=save_interval or limit + 1, setup_s=spent_s, timed_steps=costs.timed_steps,
+                      check_every=max(1, int(CHECK_SHARE * budget_s / max(costs.step_s, 1e-9))))
+    left = TARGET * budget_s - spent_s - costs.first_extra_s
+    plan.steps = plan.fit(left, 0, costs.step_s)
+    if plan.steps < 1:
+        one = plan.time_for(0, 1, costs.step_s) + costs.first_extra_s
+        raise TrainingError(f"--time_budget {format_duration(budget_s)} leaves no time to train: setting up took "
+                            f"{format_duration(spent_s)}, and one step with its evaluation and checkpoint takes "
+                            f"{format_duration(one)}; give a longer budget")
+    return plan
+
+
+def replan(plan: BudgetPlan, step: int, spent_s: float, step_s: float) -> int | None:
+    """The new last step when the end projected from `step` (at `step_s` a step, `spent_s` of the budget gone)
+    falls outside [LOW, HIGH] of the budget; None to keep the plan. Never past the limit, never before `step`."""
+    end = plan.end
+    projected = spent_s + plan.time_for(step, end, step_s)
+    if LOW * plan.budget_s <= projected <= HIGH * plan.budget_s or (projected < LOW * plan.budget_s
+                                                                      and end >= plan.limit):
+        return None
+    new_end = plan.fit(TARGET * plan.budget_s - spent_s, step, step_s)
+    return None if new_end == end else new_end
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere 0): a budget counts the interpreter's start
+    and the imports too, which take seconds before the script's first line runs."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+class BudgetClock:
+    """Seconds of the budget spent: since the script started, plus what the run spent before a --resume."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.spent_before: float | None = None  # set by the process's first plan: the checkpoint's, or 0
+
+    def spent(self) -> float:
+        return (self.spent_before or 0.0) + time.perf_counter() - self.started
+
+
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def probe_count(first_s: float, budget_s: float) -> int:
+    """Steps the probe times after its warm-up step (which took first_s, more than a steady one): 3 to 12,
+    enough for 2 s or 2% of the budget, and never more than take 5% of it (a step of minutes is timed once)."""
+    n = min(12, max(3, math.ceil(min(2.0, 0.02 * budget_s) / max(first_s, 1e-9))))
+    return max(1, min(n, int(0.05 * budget_s / max(first_s, 1e-9))))
