@@ -1,7 +1,9 @@
 """`python -m model` prints the preset table (shapes and parameter counts) shown in docs/model.md. With --estimate it
-prints the memory one training step needs instead (model/memory.py explains the formula):
+prints the memory one training step needs instead (model/memory.py explains the formula); with --plan, which preset
+to pretrain in a time budget, from training steps timed on this device (trainer_utils/planner.py):
 
     python -m model --estimate --preset minimind-26m --batch_size 8 --max_seq_len 512 --dtype bfloat16
+    python -m model --plan --time_budget 2h --data_path pretrain_hq.jsonl
 
 The model flags are the trainers', with the same meaning, so the estimate describes the model they would build.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from common.config import option, parse_config
 from common.errors import ConfigError, PocketLMError
@@ -38,10 +40,25 @@ StepOptions = dataclasses.make_dataclass("StepOptions", [
 
 
 @dataclass
+class PlanOptions:
+    """--plan: time each preset's training steps here and recommend what a time budget should train."""
+
+    title: ClassVar[str] = "planning a run"
+    plan: bool = option(False, "time a few training steps of each preset on this device and recommend the one to "
+                               "pretrain in --time_budget (trainer_utils/planner.py)")
+    time_budget: str | None = option(None, "the training time to plan for: 90s, 10m, 2h", metavar="DURATION")
+    device: str = option("auto", "where to time the steps: auto, cpu, cuda, cuda:N, mps")
+    data_path: str | None = option(None, "the pretraining JSONL to train on: its tokens (estimated) bound the epochs",
+                                   metavar="F.jsonl")
+    presets: list[str] = option([], "presets to time (default: all but tiny)", several=True, metavar="NAME")
+
+
+@dataclass
 class ModelCommand:
     """`python -m model`'s settings."""
 
     step: StepOptions
+    plan: PlanOptions
 
 
 def model_config(o: StepOptions) -> ModelConfig:
@@ -52,11 +69,16 @@ def model_config(o: StepOptions) -> ModelConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        o = parse_config(ModelCommand, argv, __doc__).step
+        command = parse_config(ModelCommand, argv, __doc__)
+        o, p = command.step, command.plan
+        if p.plan:
+            from trainer_utils.planner import main as plan_main  # it trains: the trainer's modules
+
+            return plan_main(p.time_budget, p.device, p.data_path, p.presets or None)
         if not o.estimate:
             if argv:
-                raise ConfigError("the flags describe a training step for --estimate; add it (without flags, "
-                                  "python -m model prints the preset table)")
+                raise ConfigError("the flags describe a training step for --estimate, or a budget for --plan; add "
+                                  "one of them (without flags, python -m model prints the preset table)")
             print(preset_table())
             return 0
         cfg = model_config(o)

@@ -1,0 +1,268 @@
+"""Which model to pretrain in the time you have: `python -m model --plan --time_budget 2h [--data_path F]`.
+
+Each preset takes real training steps on this device, as train_pretrain.py would take them (its default
+optimizer, the precision policy's dtype, random tokens of the full context), and the table says what a budget
+buys with it: tokens per second, tokens trained in the budget, tokens per parameter, epochs of the data, peak
+memory. The recommendation follows the compute-optimal rule of thumb, about TOKENS_PER_PARAMETER training tokens
+per parameter (Hoffmann et al. 2022): the preset whose tokens per parameter in the budget is nearest to it, among
+those that fit in memory, counting at most MAX_EPOCHS passes over the data (repeating data beyond ~4 epochs adds
+little: Muennighoff et al. 2023). Figures are marked measured or estimated: a preset whose step would take too
+long to time here is estimated from the FLOP rate measured on the largest preset timed before it, and memory is
+model/memory.py's estimate except on CUDA, where the timed step's peak is measured.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.device import choose_dtype, dtype_name, parse_device, synchronize
+from common.errors import ConfigError, DataError
+from model import PocketLM
+from model.config import PRESETS, get_preset
+from model.memory import estimate_memory
+
+from .budget import format_duration
+from .metrics import flops_per_token
+from .optim import build_optimizer
+from .runtime import Precision
+
+TOKENS_PER_PARAMETER = 20
+MAX_EPOCHS = 4
+TRAINING_SHARE = 0.9  # of a budget spent in training steps: setting up, evaluations and checkpoints take the rest
+TEST_PRESETS = ("tiny",)  # the tests' model (a 64-wide toy): never a candidate
+OPTIMIZER = "muon"  # pretraining's default (--optimizer auto without DeepSpeed)
+MEMORY_SHARE = 0.85  # of the device's memory a plan may fill (the allocator, the CUDA context, fragmentation)
+BATCHES = (64, 32, 16, 8, 4, 2, 1)  # on a GPU, the largest that fits is timed and recommended
+CPU_BATCH = 1  # a CPU is timed at one sequence a step: its tokens/s hardly depend on the batch
+CPU_COMMAND_BATCH = 8  # what the CPU command line trains with (a full-context step of 26M takes seconds there)
+SAMPLE_BYTES = 2 << 20  # of --data_path read to estimate its tokens
+VOCAB_SIZE = 6400  # the shipped tokenizer's, which the trainers give a new model
+
+
+@dataclass
+class PresetRow:
+    """One preset's line of the plan."""
+
+    name: str
+    parameters: int
+    batch_size: int
+    seq_len: int
+    tokens_per_s: float | None  # None: does not fit
+    speed_measured: bool
+    peak_bytes: int
+    peak_measured: bool
+    fits: bool
+    budget_tokens: float = 0.0
+    trained_tokens: float = 0.0  # within MAX_EPOCHS of the data
+    epochs: float | None = None
+
+    @property
+    def tokens_per_parameter(self) -> float:
+        return self.trained_tokens / self.parameters
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes a plan may fill: the GPU's memory, or the machine's RAM for a CPU (or MPS, which shares it)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def data_tokens(path: Path, tokenizer_dir: Path | None = None) -> int:
+    """The tokens of a pretraining JSONL file, estimated from its first SAMPLE_BYTES with the shipped tokenizer
+    (DataError naming the file and line for a record that is not a JSON object with a "text")."""
+    from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            sample = f.read(SAMPLE_BYTES)
+    except OSError as e:
+        raise DataError(f"--data_path {path}: {e.strerror}") from None
+    lines = sample.split(b"\n")
+    if len(sample) == SAMPLE_BYTES and len(lines) > 1:
+        lines = lines[:-1]  # the last line is cut: leave it out of the ratio
+    tok = Tokenizer(tokenizer_dir or DEFAULT_TOKENIZER_DIR)
+    n_bytes = n_tokens = 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+            if not isinstance(text, str):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise DataError(f"{path}:{number}: expected a JSON object with a \"text\" string (a pretraining "
+                            "record)") from None
+        n_bytes += len(line) + 1
+        n_tokens += len(tok.encode(text)) + 1  # and the document separator
+    if n_bytes == 0:
+        raise DataError(f"{path}: no records")
+    return round(size * n_tokens / n_bytes)
+
+
+def train_step(model: PocketLM, optimizer: torch.optim.Optimizer, precision: Precision, x: torch.Tensor) -> None:
+    """One pretraining step on `x`, as the loop takes it: autocast forward, fp32 loss, backward, clip, step."""
+    with precision.autocast():
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), x.roll(-1, 1).flatten())
+    precision.scaler.scale(loss).backward()
+    precision.scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    precision.scaler.step(optimizer)
+    precision.scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def time_steps(cfg, device: torch.device, precision: Precision, batch: int, seq_len: int,
+               min_seconds: float) -> tuple[float, int | None]:
+    """Seconds of a steady step (after a warm-up step; timed until min_seconds and at least 2 steps), and the
+    measured peak bytes on CUDA (None elsewhere)."""
+    model = PocketLM(cfg).to(device)
+    optimizer = build_optimizer(model, OPTIMIZER, 1e-3, 0.1, (0.9, 0.95), 0.9, device)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+    try:
+        train_step(model, optimizer, precision, x)  # warm-up: allocation, kernel choice, the optimizer's state
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        synchronize(device)
+        times: list[float] = []
+        while len(times) < 2 or sum(times) < min_seconds:
+            t0 = time.perf_counter()
+            train_step(model, optimizer, precision, x)
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return min(times), peak
+    finally:
+        del model, optimizer, x
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def plan(budget_s: float, device_name: str = "auto", data_path: str | None = None,
+         presets: list[str] | None = None, seq_len: int | None = None, max_step_s: float = 20.0,
+         min_seconds: float = 2.0) -> tuple[list[PresetRow], PresetRow | None, str, str]:
+    """The rows of every preset, the recommended one (None when none fits), why, and the run header. Sequences
+    are seq_len tokens, or each preset's context (what the trainers use by default)."""
+    names = presets or [n for n in PRESETS if n not in TEST_PRESETS]
+    for n in names:
+        get_preset(n)  # an unknown name is a ConfigError now
+    device = parse_device(device_name)
+    choice = choose_dtype("auto", device, "train")
+    precision = Precision(device, choice.dtype)
+    memory = device_memory(device)
+    n_data = data_tokens(Path(data_path)) if data_path else None
+    # from the cheapest step to the dearest, so an estimate scales the nearest measured FLOP rate
+    configs = sorted(((n, get_preset(n, vocab_size=VOCAB_SIZE)) for n in names),
+                     key=lambda nc: flops_per_token(nc[1], seq_len or nc[1].max_seq_len))
+    rows: list[PresetRow] = []
+    flop_rate = None  # FLOP/s of the last measured preset
+    for name, cfg in configs:
+        seq = seq_len or cfg.max_seq_len
+        batches = BATCHES if device.type == "cuda" else (CPU_BATCH,)
+        fitting = [b for b in batches if estimate_memory(cfg, b, seq, choice.dtype, optimizer=OPTIMIZER).peak
+                   <= MEMORY_SHARE * memory]
+        if not fitting:
+            e = estimate_memory(cfg, 1, seq, choice.dtype, optimizer=OPTIMIZER)
+            rows.append(PresetRow(name, cfg.num_parameters(), 1, seq, None, False, e.peak, False, False))
+            continue
+        batch = fitting[0]
+        flops = flops_per_token(cfg, seq) * batch * seq
+        estimate = estimate_memory(cfg, batch, seq, choice.dtype, optimizer=OPTIMIZER).peak
+        if flop_rate is not None and flops / flop_rate * 3 > max_step_s:  # a warm-up and two steps: too long
+            rows.append(PresetRow(name, cfg.num_parameters(), batch, seq, flop_rate / flops * batch * seq, False,
+                                  estimate, False, True))
+            continue
+        step_s, peak = time_steps(cfg, device, precision, batch, seq, min_seconds)
+        flop_rate = flops / step_s
+        rows.append(PresetRow(name, cfg.num_parameters(), batch, seq, batch * seq / step_s, True,
+                              peak if peak is not None else estimate, peak is not None, True))
+    for row in rows:
+        if row.fits:
+            row.budget_tokens = row.tokens_per_s * TRAINING_SHARE * budget_s
+            row.trained_tokens = min(row.budget_tokens, MAX_EPOCHS * n_data) if n_data else row.budget_tokens
+            row.epochs = row.budget_tokens / n_data if n_data else None
+    candidates = [r for r in rows if r.fits]
+    best = min(candidates, key=lambda r: abs(math.log(r.tokens_per_parameter / TOKENS_PER_PARAMETER)),
+               default=None)
+    header = (f"time budget {format_duration(budget_s)} on {device} ({dtype_name(choice.dtype)}: {choice.reason}); "
+              f"{TRAINING_SHARE:.0%} of it in training steps"
+              + (f"; {data_path}: about {n_data / 1e6:,.1f}M tokens (estimated from its first "
+                 f"{SAMPLE_BYTES >> 20} MB)" if n_data else ""))
+    return rows, best, why(best, rows, n_data), header
+
+
+def why(best: PresetRow | None, rows: list[PresetRow], n_data: int | None) -> str:
+    """The recommendation in words."""
+    if best is None:
+        return "no preset fits in this device's memory even at batch 1"
+    tpp = best.tokens_per_parameter
+    text = (f"{best.name}: {tpp:.3g} tokens per parameter in the budget, the nearest to the ~{TOKENS_PER_PARAMETER} "
+            "of compute-optimal training (Hoffmann et al. 2022)")
+    if n_data is not None and best.trained_tokens < best.budget_tokens:
+        text += (f"; the data is the limit: the budget would read it {best.epochs:.3g} times, and past "
+                 f"{MAX_EPOCHS} epochs repeating adds little, so larger presets would need more text")
+    elif tpp < TOKENS_PER_PARAMETER / 4:
+        text += "; the budget is short for every preset, so the smallest learns the most"
+    elif tpp > TOKENS_PER_PARAMETER * 4:
+        text += "; the larger presets do not fit in memory"
+    return text
+
+
+def command(best: PresetRow, budget: str, data_path: str | None, device: torch.device) -> str:
+    """The train_pretrain.py line that trains the recommendation in the budget."""
+    batch = best.batch_size if device.type == "cuda" else CPU_COMMAND_BATCH
+    epochs = max(1, min(MAX_EPOCHS, math.ceil(best.epochs))) if best.epochs else None
+    parts = ["python train_pretrain.py", f"--preset {best.name}", f"--data_path {data_path or 'YOUR.jsonl'}",
+             f"--time_budget {budget}", f"--batch_size {batch}"]
+    if epochs and epochs > 1:
+        parts.append(f"--epochs {epochs}")  # --epochs bounds a budget run: let it use the time
+    return " ".join(parts)
+
+
+def table(rows: list[PresetRow], best: PresetRow | None) -> str:
+    """The plan as a Markdown table; (est.) marks estimated figures."""
+    def tokens(x: float) -> str:
+        return f"{x / 1e9:,.2f}B" if x >= 1e9 else f"{x / 1e6:,.1f}M" if x >= 1e5 else f"{x / 1e3:,.1f}K"
+
+    lines = ["| preset | params | batch | tokens/s | tokens in budget | tokens/param | epochs of data | peak memory |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        mark = " ⭐" if r is best else ""
+        memory = f"{r.peak_bytes / 2**30:,.2f} GiB" + ("" if r.peak_measured else " (est.)")
+        if not r.fits:
+            lines.append(f"| {r.name}{mark} | {r.parameters / 1e6:.1f}M | – | does not fit | – | – | – | {memory} |")
+            continue
+        speed = f"{r.tokens_per_s:,.0f}" + ("" if r.speed_measured else " (est.)")
+        epochs = f"{r.epochs:.2g}" if r.epochs is not None else "–"
+        lines.append(f"| {r.name}{mark} | {r.parameters / 1e6:.1f}M | {r.batch_size}×{r.seq_len} | {speed} | "
+                     f"{tokens(r.budget_tokens)} | {r.tokens_per_parameter:.3g} | {epochs} | {memory} |")
+    return "\n".join(lines)
+
+
+def main(budget: str, device: str, data_path: str | None, presets: list[str] | None) -> int:
+    """`python -m model --plan`: print the table, the recommendation and its command line."""
+    from .budget import parse_duration
+
+    if budget is None:
+        raise ConfigError("--plan needs --time_budget (90s, 10m, 2h)")
+    rows, best, reason, header = plan(parse_duration(budget), device, data_path, presets)
+    print(header)
+    print(table(rows, best))
+    print(f"recommended: {reason}")
+    if best is not None:
+        print(f"  {command(best, budget, data_path, parse_device(device))}")
+    print("tokens/s: measured by timing training steps here (est.: scaled from the last measured preset's FLOP rate); "
+          "peak memory: model/memory.py's estimate (est.), measured on CUDA")
+    return 0
