@@ -3,11 +3,13 @@ PYTHON ?= python3
 # The CPU build of torch is pinned when no torch is installed: an unpinned `pip install torch` pulls a
 # multi-GB CUDA build. Install a CUDA build yourself first on a GPU machine; it is left alone.
 TORCH_VERSION ?= 2.13.0
-DEMO_PRETRAIN_STEPS ?= 450
-DEMO_SFT_STEPS ?= 150
-# The defaults adapt to the machine (scripts/demo_plan.py: fewer steps where a CPU trains in fp32); steps given on
-# the command line or in the environment are trained as given.
-DEMO_PLAN_FLAGS := $(if $(and $(filter file,$(origin DEMO_PRETRAIN_STEPS)),$(filter file,$(origin DEMO_SFT_STEPS))),,--as-given)
+# `make demo` ends within DEMO_BUDGET, installing included: each training stage gets a share of the time left
+# (scripts/demo_budget.py) and plans its steps from its measured step time. DEMO_PRETRAIN_STEPS=450
+# DEMO_SFT_STEPS=150 train those steps instead, whatever the time.
+DEMO_BUDGET ?= 10m
+DEMO_PRETRAIN_STEPS ?=
+DEMO_SFT_STEPS ?=
+DEMO_START := $(shell date +%s)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
 .PHONY: install install-dev test test-fast lint demo demo-post demo-rl demo-tools demo-moe bench
@@ -39,20 +41,21 @@ test-fast: install-dev
 lint: install-dev
 	$(PYTHON) -m ruff check .
 
-# The end-to-end pipeline on the bundled corpus, sized for a 2-core CPU in under 10 minutes (with fewer steps on
-# CPUs that train in fp32, said in the output):
-# tokenizer check -> short pretrain -> short SFT -> samples, perplexity, a chat answer, loss plots.
+# The end-to-end pipeline on the bundled corpus within DEMO_BUDGET (10 minutes, installing included, on any machine:
+# the training stages take what the rest leaves them):
+# tokenizer check -> pretrain -> SFT -> samples, perplexity, a chat answer, loss plots.
 # The training settings are the recipes in recipes/demo-*.yaml.
+DEMO_STAGE_BUDGET = $(PYTHON) scripts/demo_budget.py --start $(DEMO_START) --total $(DEMO_BUDGET)
 DEMO_OUT ?= out
 DEMO_SAMPLING := --temperature 0.8 --top_p 0.9 --repetition_penalty 1.2 --seed 0
 demo: install
 	$(PYTHON) train_tokenizer.py --data_path dataset/demo/pretrain_demo.jsonl dataset/demo/sft_demo.jsonl \
 		--out_dir $(DEMO_OUT)/demo-tokenizer
-	$(PYTHON) scripts/demo_plan.py $(DEMO_PRETRAIN_STEPS) $(DEMO_SFT_STEPS) $(DEMO_PLAN_FLAGS) > $(DEMO_OUT)/demo-steps.txt
-	$(PYTHON) train_pretrain.py --config recipes/demo-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite \
-		--max_steps $$(cut -d' ' -f1 $(DEMO_OUT)/demo-steps.txt)
-	$(PYTHON) train_full_sft.py --config recipes/demo-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
-		--init_from $(DEMO_OUT)/demo-pretrain --max_steps $$(cut -d' ' -f2 $(DEMO_OUT)/demo-steps.txt)
+	flags=$$($(DEMO_STAGE_BUDGET) pretrain --steps "$(DEMO_PRETRAIN_STEPS)") && \
+		$(PYTHON) train_pretrain.py --config recipes/demo-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite $$flags
+	flags=$$($(DEMO_STAGE_BUDGET) sft --steps "$(DEMO_SFT_STEPS)") && \
+		$(PYTHON) train_full_sft.py --config recipes/demo-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-pretrain $$flags
 	@# perplexity over the first 300 records (a sixth of the file, EN and ZH as the whole): the whole file's 1.1M
 	@# tokens took 3 minutes on an fp32 CPU
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl --limit 300

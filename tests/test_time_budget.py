@@ -17,9 +17,10 @@ from trainer_utils import loop as loop_mod
 from trainer_utils import metrics as metrics_mod
 from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
 from trainer_utils.checkpoint import latest_checkpoint, load_training_state
+from trainer_utils.config import parse_train_config
 from trainer_utils.optim import WarmupCosine
 
-from conftest import read_metrics, strict_records
+from conftest import ROOT, read_metrics, strict_records
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("10m", 600), ("2h", 7200), ("1h30m", 5400), ("1.5h", 5400),
@@ -217,3 +218,36 @@ def test_the_plan_round_trips_through_a_checkpoint_dict():
     plan.replans.append({"step": 10, "steps": 400, "step_s": 1.2, "spent_s": 50.0})
     again = BudgetPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan and again.end == 400
+
+
+# ------------------------------------------------------------------------ make demo
+def demo_budget():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("demo_budget", ROOT / "scripts" / "demo_budget.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_gives_each_stage_a_share_of_the_time_left():
+    d = demo_budget()
+    after, share = d.AFTER_S, d.PRETRAIN_SHARE
+    flags, note = d.stage_flags("pretrain", 1000.0, 600.0, now=1120.0, steps=None)
+    assert flags == f"--time_budget {round(share * (600 - 120 - after))}s --max_steps {d.MAX_STEPS['pretrain']}"
+    assert note is None
+    flags, _ = d.stage_flags("sft", 1000.0, 600.0, now=1450.0, steps=None)  # the rest goes to SFT
+    assert flags == f"--time_budget {round(600 - 450 - after)}s --max_steps {d.MAX_STEPS['sft']}"
+    flags, note = d.stage_flags("sft", 1000.0, 600.0, now=1590.0, steps=None)  # late: a minimum, said
+    assert flags.startswith(f"--time_budget {round(d.MIN_STAGE_S)}s") and note.startswith("note: the demo has 10.0s")
+    assert d.stage_flags("pretrain", 1000.0, 600.0, now=5000.0, steps=450) == ("--max_steps 450", None)
+    # what it prints is a valid training command line with the demo's recipe
+    config = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/demo-pretrain.yaml"),
+                                             *d.stage_flags("pretrain", 0.0, 600.0, 60.0, None)[0].split()], None)
+    assert config.optim.time_budget.endswith("s") and config.optim.max_steps == d.MAX_STEPS["pretrain"]
+
+
+@pytest.mark.parametrize("argv,message", [(["pretrain", "--start", "0", "--total", "ten"], "DEMO_BUDGET 'ten'"),
+                                          (["sft", "--start", "0", "--steps", "-3"], "--steps '-3'")])
+def test_the_demo_budget_refuses_bad_values(argv, message, capsys):
+    assert demo_budget().main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -41,9 +41,9 @@ _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 
 
-def parse_duration(text: str | int | float) -> float:
+def parse_duration(text: str | int | float, flag: str = "--time_budget") -> float:
     """Seconds in a duration: '90s', '10m', '2h', '1h30m', '1.5h', or a bare number of seconds ('600').
-    ConfigError for anything else, and for zero."""
+    ConfigError (naming `flag`) for anything else, and for zero."""
     s = str(text).strip().lower()
     seconds = None
     if re.fullmatch(r"\d+(?:\.\d+)?", s):
@@ -51,9 +51,9 @@ def parse_duration(text: str | int | float) -> float:
     elif s and (m := _DURATION.fullmatch(s)) and any(m.groups()):
         seconds = sum(float(v) * unit for v, unit in zip(m.groups(), _UNITS.values()) if v)
     if seconds is None:
-        raise ConfigError(f"--time_budget {text!r}: expected a duration such as 90s, 10m, 2h or 1h30m")
+        raise ConfigError(f"{flag} {text!r}: expected a duration such as 90s, 10m, 2h or 1h30m")
     if seconds <= 0:
-        raise ConfigError(f"--time_budget {text!r}: a budget must be longer than zero")
+        raise ConfigError(f"{flag} {text!r}: a budget must be longer than zero")
     return seconds
 
 
