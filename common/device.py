@@ -15,7 +15,7 @@ the hardware, once per device:
 
 Every choice derives from that: training autocast (`--dtype auto`), the optimizer's own arithmetic (Muon's
 Newton-Schulz), MoE grouped matmuls, evaluation/serving weights, benchmarks. `PrecisionPolicy.reason` is the
-line a run header prints ("cpu without native bf16 (no avx512_bf16 or amx_bf16 flag): float32").
+line a run header prints ("cpu without native bf16 (no avx512_bf16, amx_bf16 or bf16 flag): float32").
 
 POCKETLM_CPU_BF16=0 (or 1) overrides the CPU's answer: to time the fp32 path on a bf16-capable machine, or to
 reproduce an fp32 machine's run.
@@ -173,7 +173,9 @@ def cpu_capabilities() -> Capabilities:
     flags = cpu_flags()
     named = sorted(set(CPU_BF16_FLAGS) & flags) if flags is not None else []
     if flags is not None and not named:
-        return Capabilities("cpu", False, False, "no avx512_bf16 or amx_bf16 flag")
+        # each of CPU_BF16_FLAGS named: on an Arm CPU, "no avx512_bf16 or amx_bf16" would not say that its own
+        # "bf16" was looked for
+        return Capabilities("cpu", False, False, "no avx512_bf16, amx_bf16 or bf16 flag")
     speedup = bf16_speedup()
     # native bf16 is faster than fp32, emulated ~100x slower: half of fp32's speed separates them widely
     native = speedup >= 0.5

@@ -2,6 +2,7 @@
 parsing: which dtype training, inference and the optimizer get, what the run header says, what is refused."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def test_cpu_without_a_bf16_flag_is_fp32_without_probing(monkeypatch):
     dev.cpu_capabilities.cache_clear()
     try:
         caps = dev.cpu_capabilities()
-        assert not caps.bf16 and "no avx512_bf16 or amx_bf16 flag" in caps.detail
+        assert not caps.bf16 and "no avx512_bf16, amx_bf16 or bf16 flag" in caps.detail
     finally:
         dev.cpu_capabilities.cache_clear()
 
@@ -82,6 +83,69 @@ def test_a_bf16_flag_is_confirmed_by_timing(monkeypatch, flags, speedup, native)
         caps = dev.cpu_capabilities()
         assert caps.bf16 == native
         assert f"{speedup:.2g}x fp32's speed" in caps.detail and ("emulated" in caps.detail) != native
+    finally:
+        dev.cpu_capabilities.cache_clear()
+
+
+# aarch64 Linux names its features on a "Features" line per core (no "flags" line, no "model name"); BF16 is the
+# word "bf16". Neoverse V2 (Graviton4, Grace) has it, Neoverse N1 (Graviton2, Ampere Altra) does not.
+NEOVERSE_V2 = ("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop "
+               "sha3 sm3 sm4 asimddp sha512 asimdfhm dit uscat ilrcpc flagm ssbs sb paca pacg dcpodp sve2 sveaes "
+               "svepmull svebitperm svesha3 svesm4 flagm2 frint svei8mm svebf16 i8mm bf16 dgh")
+NEOVERSE_N1 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs"
+
+
+def arm_cpuinfo(features: str, part: str, cores: int = 2) -> str:
+    """/proc/cpuinfo as an aarch64 Linux writes it."""
+    return "".join(f"processor\t: {i}\nBogoMIPS\t: 2000.00\nFeatures\t: {features}\nCPU implementer\t: 0x41\n"
+                   f"CPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: {part}\nCPU revision\t: 1\n\n"
+                   for i in range(cores))
+
+
+def fake_cpuinfo(monkeypatch, text: str) -> None:
+    """common.device reads `text` where it opens /proc/cpuinfo (the parsing runs for real, not a faked cpu_flags)."""
+    def fake_open(path, *args, **kwargs):
+        assert path == "/proc/cpuinfo", path
+        return io.StringIO(text)
+
+    monkeypatch.delenv(dev.CPU_BF16_ENV, raising=False)
+    monkeypatch.setattr(dev, "open", fake_open, raising=False)  # found before the builtin by the module's code
+
+
+@pytest.mark.parametrize("speedup,native", [(4.0, True), (0.01, False)], ids=["probe-fast", "probe-slow"])
+def test_an_arm_cpu_with_bf16_is_confirmed_by_timing(monkeypatch, speedup, native):
+    fake_cpuinfo(monkeypatch, arm_cpuinfo(NEOVERSE_V2, "0xd4f"))
+    monkeypatch.setattr(dev, "bf16_speedup", lambda: speedup)
+    dev.cpu_capabilities.cache_clear()
+    try:
+        assert dev.cpu_flags() == set(NEOVERSE_V2.split())
+        caps = dev.cpu_capabilities()
+        assert caps.bf16 == native
+        assert caps.detail == f"bf16; a bf16 matmul ran {speedup:.2g}x fp32's speed" + ("" if native else
+                                                                                          ", so it is emulated")
+        p = precision_policy(CPU)
+        assert (p.train, p.optimizer, p.inference) == ((BF16, BF16, FP32) if native else (FP32, FP32, FP32))
+        assert p.reason.startswith("cpu with native bf16 (bf16;" if native else "cpu without native bf16 (bf16;")
+        assert dev.cpu_description().endswith("(bf16)")
+    finally:
+        dev.cpu_capabilities.cache_clear()
+
+
+@pytest.mark.parametrize("features,part", [(NEOVERSE_N1, "0xd0c"), (NEOVERSE_V2.replace(" bf16 ", " "), "0xd4f")],
+                         ids=["neoverse-n1", "svebf16-only"])
+def test_an_arm_cpu_without_bf16_is_fp32_without_probing(monkeypatch, features, part):
+    """Flags are whole words: "bf16" is not found inside "svebf16". Rightly so: PyTorch's Arm bf16 kernels (oneDNN,
+    ACL) ask for the base BF16 feature, the "bf16" word; "svebf16" (SVE's BF16 instructions) never comes without it
+    on real hardware, and alone would be a hypervisor's odd mask, fp32 being the safe answer there."""
+    assert "bf16" not in features.split()
+    fake_cpuinfo(monkeypatch, arm_cpuinfo(features, part))
+    monkeypatch.setattr(dev, "bf16_speedup", lambda: pytest.fail("probed although no flag claims bf16"))
+    dev.cpu_capabilities.cache_clear()
+    try:
+        caps = dev.cpu_capabilities()
+        assert not caps.bf16 and caps.detail == "no avx512_bf16, amx_bf16 or bf16 flag"
+        assert precision_policy(CPU).reason == f"cpu without native bf16 ({caps.detail}): float32"
+        assert dev.cpu_description().endswith("(no bf16 flags)")
     finally:
         dev.cpu_capabilities.cache_clear()
 
