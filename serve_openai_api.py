@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -72,4 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Ctrl-C means stop, 130, however the server was started. A shell starts a script's background jobs with
+    # SIGINT ignored and Python keeps it ignored; uvicorn answers SIGINT all the same (its handler replaces the
+    # ignore) but re-raises it into the ignored disposition at the end, so such a server shut down and exited 0,
+    # and a SIGINT during the model load was lost. Here, not in main(): tests call main() in their own process
+    # (the module's imports above still run under the inherited disposition).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

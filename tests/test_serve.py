@@ -2,7 +2,7 @@
 driven by the official `openai` client (httpx where the client cannot express the request).
 
 Servers run in a thread of this process on a free loopback port, so a test can hold the engine's decode loop
-(`held`) to make "arrive together" and "queue full" deterministic; one slow test starts the script itself.
+(`held`) to make "arrive together" and "queue full" deterministic; slow tests start the script itself.
 """
 from __future__ import annotations
 
@@ -491,11 +491,17 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.slow  # starts a process
-def test_the_script_serves_a_trained_sft_run(sft_run, tmp_path):
-    """serve_openai_api.py on a real (tiny, trained) SFT run: a free port, a chat answer, a clean exit."""
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["foreground", "background-job"])
+def test_the_script_serves_a_trained_sft_run(sft_run, sigint):
+    """serve_openai_api.py on a real (tiny, trained) SFT run: a free port, a chat answer, a clean exit.
+
+    The server starts with the SIGINT disposition given here, not with this process's: a shell starts background
+    jobs with SIGINT ignored (`nohup make test &`, `serve_openai_api.py &` in a script), children inherit that, and
+    Ctrl-C must end the server as 130 either way."""
     proc = subprocess.Popen([sys.executable, "serve_openai_api.py", "--checkpoint", str(sft_run), "--port", "0",
                              "--log_level", "warning"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     try:
         lines = []
         while not (port := re.search(r"http://127\.0\.0\.1:(\d+)/v1/chat/completions", lines[-1] if lines else "")):
@@ -508,6 +514,10 @@ def test_the_script_serves_a_trained_sft_run(sft_run, tmp_path):
         proc.send_signal(signal.SIGINT)  # Ctrl-C: a graceful shutdown
         assert proc.wait(30) == 130
     assert "Traceback" not in proc.stderr.read()
+
+
+@pytest.mark.slow  # starts a process
+def test_the_script_refuses_a_missing_checkpoint_in_one_line(tmp_path):
     bad = subprocess.run([sys.executable, "serve_openai_api.py", "--checkpoint", str(tmp_path / "missing")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
