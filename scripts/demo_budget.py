@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.errors import ConfigError  # noqa: E402
 from trainer_utils.budget import format_duration, parse_duration  # noqa: E402
 
-PRETRAIN_SHARE = 0.75  # of the training time: pretraining is what the demo's perplexity and samples show
+PRETRAIN_SHARE = 0.8  # of the training time: pretraining is what the demo's perplexity and samples show
 # What follows the training: perplexity over 300 records, four sampled answers and two plots, each a new process
-# (measured: 58 s on a 2-core AMD EPYC with AVX2 only, float32, the slowest kind seen), with a margin.
-AFTER_S = 75.0
+# (27 s on a 2-core AMD EPYC with AVX2 only, float32), with room for a CPU twice as slow (another AVX2 EPYC ran
+# the demo's training steps at half that speed).
+AFTER_S = 60.0
 MIN_STAGE_S = 30.0  # a stage gets at least this (the demo then runs late rather than train nothing)
 MAX_STEPS = {"pretrain": 1056, "sft": 400}  # upper bounds: 4 epochs of the demo corpus, 2 of the conversations
 

@@ -235,3 +235,18 @@ def test_bench_tool_serving_times_reading_against_a_pass_through(tmp_path):
     assert report["requests_each"] == 2 and "cores" in report["machine"]
     assert report["ratio"] == pytest.approx(report["median_s_read"] / report["median_s_pass_through"], rel=0.01)
     assert 0 < report["reader_us_per_token"] < 1000
+
+
+def test_bench_time_budget_records_each_budget_against_its_wall_time(corpus, tmp_path):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(f"data:\n  data_path: {corpus['pretrain']}\n  cache_dir: {corpus['cache']}\nmodel:\n"
+                      "  preset: tiny\noptim:\n  batch_size: 4\n  optimizer: adamw\nrun:\n  log_interval: 1\n"
+                      "eval:\n  eval_interval: 1000\n  sample_prompts: none\n")
+    out = tmp_path / "budget.json"
+    bench_module("bench_time_budget").main(["--budgets", "6s", "--recipe", str(recipe), "--out", str(out),
+                                            "--runs_dir", str(tmp_path / "runs")])
+    result = json.loads(out.read_text())
+    run = result["runs"][0]
+    assert result["machine"]["device"] == "cpu" and result["goal"] == [0.9, 1.05]
+    assert run["budget_s"] == 6 and run["share"] == pytest.approx(run["wall_s"] / 6, rel=1e-3)
+    assert run["trained_steps"] >= 1 and run["probe"]["step_s"] > 0 and isinstance(run["within_goal"], bool)

@@ -133,14 +133,17 @@ def recipe_stage(path) -> str:
 
 @pytest.mark.slow
 def test_every_recipe_trains_two_steps(corpus, tmp_path):
-    """Each recipe runs as shipped except for what this machine needs: small data, batch and context."""
+    """Each recipe runs as shipped except for what this machine needs: small data, batch and context, two layers
+    of each new model (the width, heads and every other setting as shipped: at full depth the 100M-class
+    models' Muon step alone takes ~10 s on 2 CPU cores), and one evaluation (at the last step, where every
+    evaluation component of the recipe runs once)."""
     small = ["--data_path", str(corpus["pretrain"]), "--cache_dir", str(corpus["cache"]), "--out_dir",
              str(tmp_path), "--max_steps", "2", "--batch_size", "1", "--accumulation_steps", "1",
-             "--max_seq_len", "32", "--num_workers", "0", "--eval_interval", "1", "--save_interval", "2",
+             "--max_seq_len", "32", "--num_workers", "0", "--eval_interval", "2", "--save_interval", "2",
              "--eval_task_items", "2"]  # a recipe's held-out task runs, on two items (the tool set's 200 took minutes)
     for path in [p for p in RECIPES if p.stem.endswith("pretrain")]:
         extra = ["--tokenizer", str(ROOT / "model/tokenizer")] if "gpt2" in path.stem else []  # no 16k one here
-        assert train_pretrain.main(["--config", str(path), *small, *extra]) == 0, path
+        assert train_pretrain.main(["--config", str(path), *small, *extra, "--num_hidden_layers", "2"]) == 0, path
     # SFT on a pretraining recipe's run, or on another SFT recipe's run (demo-math-sft on demo-sft,
     # demo-tool-pass2-sft on demo-tool-sft): each runs once the run it starts from exists, whatever the names' order
     pending = {}
@@ -309,7 +312,8 @@ def test_python_m_model_and_the_trainers_accept_the_same_model_flags():
     assert switched == set(switches()) and switched | {"preset"} <= set(trainer) & set(ours)
     assert set(trainer) - set(ours) == {"init_from", "compile"}  # training only
     assert set(ours) - set(trainer) == {"estimate", "vocab_size", "batch_size", "accumulation_steps", "dtype",
-                                        "optimizer"}  # the step, in other groups of the trainers
+                                        "optimizer",  # the step, in other groups of the trainers
+                                        "plan", "time_budget", "device", "data_path", "presets"}  # --plan
     for name in switched | {"preset"}:
         assert trainer[name].meta == ours[name].meta and trainer[name].base == ours[name].base, name
     # and they build the same model: MoE, RoPE and QK-norm flags included

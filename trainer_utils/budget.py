@@ -163,13 +163,16 @@ def make_plan(budget_s: float, spent_s: float, costs: Costs, limit: int, eval_in
     return plan
 
 
+def projected(plan: BudgetPlan, step: int, spent_s: float, step_s: float) -> float:
+    """The budget's seconds spent at the end of the plan, from step `step` on at `step_s` a step."""
+    return spent_s + plan.time_for(step, plan.end, step_s)
+
+
 def replan(plan: BudgetPlan, step: int, spent_s: float, step_s: float) -> int | None:
     """The new last step when the end projected from `step` (at `step_s` a step, `spent_s` of the budget gone)
     falls outside [LOW, HIGH] of the budget; None to keep the plan. Never past the limit, never before `step`."""
-    end = plan.end
-    projected = spent_s + plan.time_for(step, end, step_s)
-    if LOW * plan.budget_s <= projected <= HIGH * plan.budget_s or (projected < LOW * plan.budget_s
-                                                                      and end >= plan.limit):
+    end, at = plan.end, projected(plan, step, spent_s, step_s)
+    if LOW * plan.budget_s <= at <= HIGH * plan.budget_s or (at < LOW * plan.budget_s and end >= plan.limit):
         return None
     new_end = plan.fit(TARGET * plan.budget_s - spent_s, step, step_s)
     return None if new_end == end else new_end

@@ -7,17 +7,18 @@ this component's checkpoint state (the loop reads them back before building a re
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..budget import PLAN_KEY, format_duration, replan
+from ..budget import PLAN_KEY, format_duration, projected, replan
 from .base import Component, StepOutcome
 
 if TYPE_CHECKING:
     from ..loop import Trainer
 
-SMOOTHING = 0.5  # weight of the newest window in the step time the projection uses
+WINDOW_SHARE = 0.05  # the recent step time is measured over about this share of the budget
 
 
 class TimeBudgetGuard(Component):
@@ -25,41 +26,57 @@ class TimeBudgetGuard(Component):
 
     def __init__(self, trainer: Trainer) -> None:
         self.plan, self.clock = trainer.plan, trainer.budget_clock
-        self.mark: tuple[float, int] | None = None  # (training seconds, step) the next window starts at
-        self.step_s: float | None = None
+        self.marks: deque[tuple[float, int]] = deque()  # (training seconds, step) at the recent checks
+        self.base: tuple[float, int] | None = None  # where the run's steady step time is measured from
 
     def describe(self) -> dict[str, Any]:
         return {} if self.plan is None else {PLAN_KEY: self.plan.to_dict()}
 
     def start(self, trainer: Trainer) -> None:
-        self.mark, self.step_s = None, None
+        self.marks.clear()
+        self.base = None
 
     def after_step(self, trainer: Trainer, outcome: StepOutcome) -> None:
-        if self.plan is not None and self.mark is None:  # windows start after the first step: it warms up
-            self.mark = (trainer.clock.elapsed(), trainer.state.step)
+        if self.plan is not None and self.base is None:  # measured from after the first step: it warms up
+            self.base = (trainer.clock.elapsed(), trainer.state.step)
+            self.marks.append(self.base)
 
     def due(self, step: int, last: int) -> bool:
-        return (self.plan is not None and self.mark is not None and step > self.mark[1] and step < last
+        return (self.plan is not None and self.base is not None and step > self.marks[-1][1] and step < last
                 and step % self.plan.check_every == 0)
 
+    def recent(self, now: float) -> tuple[float, int]:
+        """The newest mark at least WINDOW_SHARE of the budget back (or the oldest there is)."""
+        while len(self.marks) > 1 and now - self.marks[1][0] >= WINDOW_SHARE * self.plan.budget_s:
+            self.marks.popleft()
+        return self.marks[0]
+
     def run(self, trainer: Trainer) -> None:
+        """Two step times: the run's since `base`, steady enough for the band (a chat batch's step varies with its
+        longest conversation, so a few steps say little), and the recent window's, which sees a slow-down soon.
+        The steady one keeps the run within [LOW, HIGH]; when the recent one says the run would overrun the budget,
+        it wins, and the steady one is measured anew from there (the machine has changed)."""
         plan, step, now = self.plan, trainer.state.step, trainer.clock.elapsed()
-        window, spent = (now - self.mark[0]) / (step - self.mark[1]), self.clock.spent()
+        window = self.recent(now)
+        steady_s, recent_s = ((now - t) / (step - s) for t, s in (self.base, window))
+        spent = self.clock.spent()
+        self.marks.append((now, step))
         if trainer.backend.world_size > 1:  # one decision: every rank's numbers averaged
-            both = torch.tensor([window, spent], device=trainer.device, dtype=torch.float64)
-            window, spent = (trainer.backend.all_reduce_sum(both) / trainer.backend.world_size).tolist()
-        self.mark = (now, step)
-        self.step_s = window if self.step_s is None else SMOOTHING * window + (1 - SMOOTHING) * self.step_s
-        end = replan(plan, step, spent, self.step_s)
+            mine = torch.tensor([steady_s, recent_s, spent], device=trainer.device, dtype=torch.float64)
+            steady_s, recent_s, spent = (trainer.backend.all_reduce_sum(mine) / trainer.backend.world_size).tolist()
+        step_s = steady_s
+        if recent_s > steady_s and projected(plan, step, spent, recent_s) > plan.budget_s:
+            step_s, self.base = recent_s, window
+        end = replan(plan, step, spent, step_s)
         if end is None:
             return
         before = plan.end
-        why = (f"steps take {self.step_s:.3g} s (planned {plan.step_s:.3g} s) with {format_duration(spent)} of "
+        why = (f"steps take {step_s:.3g} s (planned {plan.step_s:.3g} s) with {format_duration(spent)} of "
                f"{format_duration(plan.budget_s)} spent")
-        plan.replans.append({"step": step, "steps": end, "step_s": round(self.step_s, 6), "spent_s": round(spent, 3)})
+        plan.replans.append({"step": step, "steps": end, "step_s": round(step_s, 6), "spent_s": round(spent, 3)})
         trainer.replan(end)
         trainer.logger.log({"step": step, "event": "time_budget", "planned_steps": before, "steps": end,
-                            "step_time_s": round(self.step_s, 6), "spent_s": round(spent, 3)})
+                            "step_time_s": round(step_s, 6), "spent_s": round(spent, 3)})
         what = (f"ending at step {end} instead of {before}, the learning-rate decay completing there" if end > step
                 else f"stopping now, at step {step} of {before}")
         trainer.logger.message(f"time budget: {why}: {what}")

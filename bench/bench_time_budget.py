@@ -1,0 +1,77 @@
+"""How close a --time_budget run ends to its budget: each budget trains the demo recipe in a real train_pretrain.py
+process, and the wall time of the whole process (interpreter start to exit, as a user's clock sees it) is
+compared with the budget. The goal: every run ends within 90-105% of its budget.
+
+    python bench/bench_time_budget.py --budgets 1m 5m 20m 60m --out bench/results/time-budget-$(hostname).json
+
+Each record: the budget, the process's wall seconds and their share of the budget, the steps planned before the
+first step and trained in the end, the re-plans the guard made, what the probe measured, and the machine (CPU
+model and kind, precision). Runs go one at a time (in parallel they would slow each other down).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.device import choose_dtype, cpu_description, dtype_name, parse_device  # noqa: E402
+from trainer_utils.budget import parse_duration  # noqa: E402
+
+GOAL = (0.90, 1.05)
+
+
+def run_budget(budget: str, recipe: str, out: Path, extra: list[str]) -> dict:
+    """One train_pretrain.py process on `budget`; its wall time and what its plan recorded."""
+    name = f"budget-{budget}"
+    cmd = [sys.executable, "train_pretrain.py", "--config", recipe, "--out_dir", str(out), "--run_name", name,
+           "--overwrite", "--time_budget", budget, "--max_steps", "1000000", "--epochs", "1000", *extra]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    plan = json.loads((out / name / "train_config.json").read_text())["resolved"]["time_budget"]
+    metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    trained = max(m["step"] for m in metrics if "loss" in m)
+    replans = [m for m in metrics if m.get("event") == "time_budget"]
+    seconds = parse_duration(budget)
+    return {"budget": budget, "budget_s": seconds, "wall_s": round(wall, 2), "share": round(wall / seconds, 4),
+            "within_goal": GOAL[0] <= wall / seconds <= GOAL[1], "planned_steps": plan["steps"],
+            "trained_steps": trained, "replans": len(replans), "probe": {k: plan[k] for k in (
+                "step_s", "first_extra_s", "eval_s", "save_s", "setup_s", "timed_steps")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budgets", nargs="+", default=["1m", "5m"], help="durations to run (90s, 10m, 1h)")
+    parser.add_argument("--recipe", default="recipes/demo-pretrain.yaml")
+    parser.add_argument("--out", type=Path, help="write the records here as JSON")
+    parser.add_argument("--runs_dir", type=Path, default=ROOT / "out" / "bench-time-budget")
+    parser.add_argument("extra", nargs="*", help="more train_pretrain.py flags (after --)")
+    args = parser.parse_args(argv)
+    for b in args.budgets:
+        parse_duration(b)  # every budget is valid before the first run
+    device = parse_device("auto")
+    machine = {"device": str(device), "cpu": cpu_description(),
+               "dtype": dtype_name(choose_dtype("auto", device, "train").dtype)}
+    records = []
+    for budget in args.budgets:
+        r = run_budget(budget, args.recipe, args.runs_dir, args.extra)
+        records.append(r)
+        print(f"{budget:>6}: {r['wall_s']:8.1f} s = {r['share']:.1%} of the budget, {r['trained_steps']} steps "
+              f"({r['planned_steps']} planned, {r['replans']} re-plans)", flush=True)
+    result = {"machine": machine, "goal": list(GOAL), "recipe": args.recipe, "runs": records}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if all(r["within_goal"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
