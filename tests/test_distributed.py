@@ -274,3 +274,15 @@ def test_deepspeed_skips_a_step_without_targets(corpus, tmp_path, dtype):
     assert out["weights_moved"] == [] and out["skipped"] == 1
     [record] = [r for r in out["records"] if "loss" in r]
     assert record["loss"] is None and record["skipped_steps"] == 1
+
+
+def test_a_time_budget_is_one_plan_for_every_rank(corpus, tmp_path):
+    """The probe and the guard decide from all-reduced numbers: two ranks plan the same steps (here --max_steps
+    bounds them, so the run is deterministic) and train what one process trains with --max_steps."""
+    single(args(corpus, tmp_path, "single", batch_size=8, max_steps=12))
+    res = torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, max_steps=12, time_budget="25s"))
+    assert res.stderr.count("time budget 25.0s: 12 steps at") == 1, res.stderr[-2000:]  # said once, by rank 0
+    plan = json.loads((tmp_path / "ddp" / "train_config.json").read_text())["resolved"]["time_budget"]
+    assert (plan["steps"], plan["limit"]) == (12, 12) and plan["check_every"] < 12  # the guard ran, on both ranks
+    a, b = losses(tmp_path / "single"), losses(tmp_path / "ddp")
+    assert len(a) == len(b) == 12 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)

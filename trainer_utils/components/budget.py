@@ -7,7 +7,6 @@ this component's checkpoint state (the loop reads them back before building a re
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from ..loop import Trainer
 
 WINDOW_SHARE = 0.05  # the recent step time is measured over about this share of the budget
+SLOWER = 1.25  # a recent step time this much above the run's is a slow-down, not the data's noise
 
 
 class TimeBudgetGuard(Component):
@@ -26,48 +26,54 @@ class TimeBudgetGuard(Component):
 
     def __init__(self, trainer: Trainer) -> None:
         self.plan, self.clock = trainer.plan, trainer.budget_clock
-        self.marks: deque[tuple[float, int]] = deque()  # (training seconds, step) at the recent checks
-        self.base: tuple[float, int] | None = None  # where the run's steady step time is measured from
+        self.marks: list[tuple[float, int]] = []  # (training seconds, step) after the first step and at each check
 
     def describe(self) -> dict[str, Any]:
         return {} if self.plan is None else {PLAN_KEY: self.plan.to_dict()}
 
     def start(self, trainer: Trainer) -> None:
         self.marks.clear()
-        self.base = None
 
     def after_step(self, trainer: Trainer, outcome: StepOutcome) -> None:
-        if self.plan is not None and self.base is None:  # measured from after the first step: it warms up
-            self.base = (trainer.clock.elapsed(), trainer.state.step)
-            self.marks.append(self.base)
+        if self.plan is not None and not self.marks:  # measured from after the first step: it warms up
+            self.marks.append((trainer.clock.elapsed(), trainer.state.step))
 
     def due(self, step: int, last: int) -> bool:
-        return (self.plan is not None and self.base is not None and step > self.marks[-1][1] and step < last
+        return (self.plan is not None and bool(self.marks) and step > self.marks[-1][1] and step < last
                 and step % self.plan.check_every == 0)
 
-    def recent(self, now: float) -> tuple[float, int]:
-        """The newest mark at least WINDOW_SHARE of the budget back (or the oldest there is)."""
-        while len(self.marks) > 1 and now - self.marks[1][0] >= WINDOW_SHARE * self.plan.budget_s:
-            self.marks.popleft()
-        return self.marks[0]
+    def since(self, now: float, seconds: float) -> tuple[float, int]:
+        """The newest mark at least `seconds` of training back (or the oldest there is)."""
+        return next((m for m in reversed(self.marks) if now - m[0] >= seconds), self.marks[0])
 
     def run(self, trainer: Trainer) -> None:
-        """Two step times: the run's since `base`, steady enough for the band (a chat batch's step varies with its
-        longest conversation, so a few steps say little), and the recent window's, which sees a slow-down soon.
-        The steady one keeps the run within [LOW, HIGH]; when the recent one says the run would overrun the budget,
-        it wins, and the steady one is measured anew from there (the machine has changed)."""
+        """Two step times: the run's since its first step, which keeps the run within [LOW, HIGH] (a chat batch's
+        step varies with its longest conversation, and batches grouped by length make whole stretches of the run
+        faster or slower: only the run's own average is steady), and a recent one over WINDOW_SHARE of the budget.
+        When the recent one is SLOWER than the run's and would overrun the budget, the machine has slowed down:
+        it plans at once. A longer run needs both to agree there is time (else the two would take turns)."""
         plan, step, now = self.plan, trainer.state.step, trainer.clock.elapsed()
-        window = self.recent(now)
-        steady_s, recent_s = ((now - t) / (step - s) for t, s in (self.base, window))
+        window = WINDOW_SHARE * plan.budget_s
+        measured = now - self.marks[0][0]
+        steady_s, recent_s = ((now - t) / (step - s) for t, s in (self.marks[0], self.since(now, window)))
         spent = self.clock.spent()
         self.marks.append((now, step))
         if trainer.backend.world_size > 1:  # one decision: every rank's numbers averaged
-            mine = torch.tensor([steady_s, recent_s, spent], device=trainer.device, dtype=torch.float64)
-            steady_s, recent_s, spent = (trainer.backend.all_reduce_sum(mine) / trainer.backend.world_size).tolist()
-        step_s = steady_s
-        if recent_s > steady_s and projected(plan, step, spent, recent_s) > plan.budget_s:
-            step_s, self.base = recent_s, window
+            mine = torch.tensor([steady_s, recent_s, spent, measured], device=trainer.device, dtype=torch.float64)
+            steady_s, recent_s, spent, measured = (trainer.backend.all_reduce_sum(mine)
+                                                   / trainer.backend.world_size).tolist()
+        cautious = max(steady_s, recent_s)
+        if recent_s > SLOWER * steady_s and projected(plan, step, spent, recent_s) > plan.budget_s:
+            step_s = cautious  # a slow-down: act now
+        elif measured < window:
+            return  # too few steps yet for the steady time to overrule the probe's
+        else:
+            step_s = steady_s
         end = replan(plan, step, spent, step_s)
+        if end is not None and end > plan.end and step_s < cautious:
+            step_s, end = cautious, replan(plan, step, spent, cautious)
+            if end is None or end <= plan.end:
+                return
         if end is None:
             return
         before = plan.end
