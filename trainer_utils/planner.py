@@ -28,9 +28,9 @@ from model import PocketLM
 from model.config import PRESETS, get_preset
 from model.memory import estimate_memory
 
-from .budget import format_duration
+from .budget import format_duration, median
 from .metrics import flops_per_token
-from .optim import build_optimizer
+from .optim import build_optimizer, is_hidden_matrix
 from .runtime import Precision
 
 TOKENS_PER_PARAMETER = 20
@@ -40,8 +40,8 @@ TEST_PRESETS = ("tiny",)  # the tests' model (a 64-wide toy): never a candidate
 OPTIMIZER = "muon"  # pretraining's default (--optimizer auto without DeepSpeed)
 MEMORY_SHARE = 0.85  # of the device's memory a plan may fill (the allocator, the CUDA context, fragmentation)
 BATCHES = (64, 32, 16, 8, 4, 2, 1)  # on a GPU, the largest that fits is timed and recommended
-CPU_BATCH = 1  # a CPU is timed at one sequence a step: its tokens/s hardly depend on the batch
-CPU_COMMAND_BATCH = 8  # what the CPU command line trains with (a full-context step of 26M takes seconds there)
+CPU_BATCH = 1  # a CPU times one sequence a step (a full 26M step of 8 x 512 takes ~15 s on 2 cores)...
+CPU_COMMAND_BATCH = 8  # ...and its tokens/s are those of the batch its command line trains with
 SAMPLE_BYTES = 2 << 20  # of --data_path read to estimate its tokens
 VOCAB_SIZE = 6400  # the shipped tokenizer's, which the trainers give a new model
 
@@ -111,12 +111,16 @@ def data_tokens(path: Path, tokenizer_dir: Path | None = None) -> int:
     return round(size * n_tokens / n_bytes)
 
 
-def train_step(model: PocketLM, optimizer: torch.optim.Optimizer, precision: Precision, x: torch.Tensor) -> None:
-    """One pretraining step on `x`, as the loop takes it: autocast forward, fp32 loss, backward, clip, step."""
+def backward(model: PocketLM, precision: Precision, x: torch.Tensor) -> None:
+    """A pretraining step's forward and backward on `x`, as the loop takes them: autocast forward, fp32 loss."""
     with precision.autocast():
         logits = model(x)
     loss = F.cross_entropy(logits.float().flatten(0, 1), x.roll(-1, 1).flatten())
     precision.scaler.scale(loss).backward()
+
+
+def update(model: PocketLM, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+    """A step's update: unscale, clip, the optimizer, and clearing the gradients."""
     precision.scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     precision.scaler.step(optimizer)
@@ -124,30 +128,60 @@ def train_step(model: PocketLM, optimizer: torch.optim.Optimizer, precision: Pre
     optimizer.zero_grad(set_to_none=True)
 
 
+@dataclass
+class StepTime:
+    """A timed step: seconds of its forward and backward (which grow with the batch) and of its update (which
+    does not: Muon's Newton-Schulz iteration costs the same for any batch)."""
+
+    backward_s: float
+    update_s: float
+    peak_bytes: int | None  # measured on CUDA
+
+    def step_s(self, batch_ratio: float = 1.0) -> float:
+        """A step's seconds at `batch_ratio` times the timed batch."""
+        return batch_ratio * self.backward_s + self.update_s
+
+
 def time_steps(cfg, device: torch.device, precision: Precision, batch: int, seq_len: int,
-               min_seconds: float) -> tuple[float, int | None]:
-    """Seconds of a steady step (after a warm-up step; timed until min_seconds and at least 2 steps), and the
-    measured peak bytes on CUDA (None elsewhere)."""
+               min_seconds: float) -> StepTime:
+    """A steady step's parts (after a warm-up step; timed until min_seconds and at least 2 steps; the median)."""
     model = PocketLM(cfg).to(device)
     optimizer = build_optimizer(model, OPTIMIZER, 1e-3, 0.1, (0.9, 0.95), 0.9, device)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
-    try:
-        train_step(model, optimizer, precision, x)  # warm-up: allocation, kernel choice, the optimizer's state
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+
+    def clock() -> float:
         synchronize(device)
-        times: list[float] = []
-        while len(times) < 2 or sum(times) < min_seconds:
-            t0 = time.perf_counter()
-            train_step(model, optimizer, precision, x)
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        return min(times), peak
-    finally:
-        del model, optimizer, x
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        return time.perf_counter()
+
+    backward(model, precision, x)  # warm-up: allocation, kernel choice, the optimizer's state
+    update(model, optimizer, precision)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    parts: list[tuple[float, float]] = []
+    while len(parts) < 2 or sum(map(sum, parts)) < min_seconds:
+        t0 = clock()
+        backward(model, precision, x)
+        t1 = clock()
+        update(model, optimizer, precision)
+        parts.append((t1 - t0, clock() - t1))
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    del model, optimizer, x  # before the next preset is built
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return StepTime(median([b for b, _ in parts]), median([u for _, u in parts]), peak)
+
+
+def newton_schulz_flops(cfg) -> float:
+    """FLOPs of one Muon update's Newton-Schulz iterations (5 per matrix, each 4 m^2 n + 2 m^3 for an m x n
+    matrix with m <= n) over the matrices Muon takes: what an update costs beyond AdamW's few per weight."""
+    with torch.device("meta"):
+        model = PocketLM(cfg)
+    total = 0.0
+    for name, p in model.named_parameters():
+        if is_hidden_matrix(name, p):
+            m, n = sorted(p.shape)
+            total += 5 * (4 * m * m * n + 2 * m ** 3)
+    return total
 
 
 def plan(budget_s: float, device_name: str = "auto", data_path: str | None = None,
@@ -167,7 +201,7 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | None = Non
     configs = sorted(((n, get_preset(n, vocab_size=VOCAB_SIZE)) for n in names),
                      key=lambda nc: flops_per_token(nc[1], seq_len or nc[1].max_seq_len))
     rows: list[PresetRow] = []
-    flop_rate = None  # FLOP/s of the last measured preset
+    last: tuple[float, float] | None = None  # the last timed preset's FLOP/s: forward and backward, update
     for name, cfg in configs:
         seq = seq_len or cfg.max_seq_len
         batches = BATCHES if device.type == "cuda" else (CPU_BATCH,)
@@ -177,16 +211,20 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | None = Non
             e = estimate_memory(cfg, 1, seq, choice.dtype, optimizer=OPTIMIZER)
             rows.append(PresetRow(name, cfg.num_parameters(), 1, seq, None, False, e.peak, False, False))
             continue
-        batch = fitting[0]
-        flops = flops_per_token(cfg, seq) * batch * seq
+        timed_batch = fitting[0]
+        # what the command line trains with: the timed batch on a GPU; on a CPU a few sequences a step, whose
+        # forward and backward scale with the batch while the update does not
+        batch = timed_batch if device.type == "cuda" else CPU_COMMAND_BATCH
+        fb_flops, ns_flops = flops_per_token(cfg, seq) * timed_batch * seq, newton_schulz_flops(cfg)
         estimate = estimate_memory(cfg, batch, seq, choice.dtype, optimizer=OPTIMIZER).peak
-        if flop_rate is not None and flops / flop_rate * 3 > max_step_s:  # a warm-up and two steps: too long
-            rows.append(PresetRow(name, cfg.num_parameters(), batch, seq, flop_rate / flops * batch * seq, False,
-                                  estimate, False, True))
-            continue
-        step_s, peak = time_steps(cfg, device, precision, batch, seq, min_seconds)
-        flop_rate = flops / step_s
-        rows.append(PresetRow(name, cfg.num_parameters(), batch, seq, batch * seq / step_s, True,
+        if last is not None and (fb_flops / last[0] + ns_flops / last[1]) * 3 > max_step_s:  # too long to time
+            t, measured, peak = StepTime(fb_flops / last[0], ns_flops / last[1], None), False, None
+        else:
+            t = time_steps(cfg, device, precision, timed_batch, seq, min_seconds)
+            measured, peak = True, t.peak_bytes
+            last = (fb_flops / t.backward_s, ns_flops / max(t.update_s, 1e-9) if ns_flops else float("inf"))
+        rows.append(PresetRow(name, cfg.num_parameters(), batch, seq,
+                              batch * seq / t.step_s(batch / timed_batch), measured,
                               peak if peak is not None else estimate, peak is not None, True))
     for row in rows:
         if row.fits:
@@ -222,7 +260,7 @@ def why(best: PresetRow | None, rows: list[PresetRow], n_data: int | None) -> st
 
 def command(best: PresetRow, budget: str, data_path: str | None, device: torch.device) -> str:
     """The train_pretrain.py line that trains the recommendation in the budget."""
-    batch = best.batch_size if device.type == "cuda" else CPU_COMMAND_BATCH
+    batch = best.batch_size
     epochs = max(1, min(MAX_EPOCHS, math.ceil(best.epochs))) if best.epochs else None
     parts = ["python train_pretrain.py", f"--preset {best.name}", f"--data_path {data_path or 'YOUR.jsonl'}",
              f"--time_budget {budget}", f"--batch_size {batch}"]
