@@ -151,7 +151,8 @@ def test_gpu_check_without_a_gpu_fails_fast_with_a_summary(tmp_path):
     assert summary["passed"] is False
     results = {c["check"]: c["result"] for c in summary["checks"]}
     assert results["environment"].startswith("FAIL")
-    assert set(results) == {"environment", "cuda_tests", "sdpa_backend", "throughput", "generation"}
+    assert set(results) == {"environment", "cuda_tests", "sdpa_backend", "throughput", "generation", "plan",
+                            "time_budget"}
     assert all(r.startswith("SKIPPED (no usable CUDA environment)") for name, r in results.items()
                if name != "environment")
     assert "CUDA is not available" in (tmp_path / "gpu_check.log").read_text()

@@ -327,22 +327,3 @@ def test_an_older_pytorch_stops_every_command_in_one_line(script):
     assert done.stderr.strip().splitlines() == [
         "error: PocketLM needs PyTorch >= 2.4, this is 2.3.1+cpu: install a newer one for your platform (README "
         "\"Quick start\"; the CPU build: pip install torch==2.13.0)"]
-
-
-# ------------------------------------------------------------------------ make demo
-@pytest.mark.parametrize("bf16", [True, False], ids=["native-bf16", "avx2-only"])
-def test_the_demo_trains_fewer_steps_where_the_cpu_trains_in_fp32(monkeypatch, capsys, bf16):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("demo_plan", ROOT / "scripts" / "demo_plan.py")
-    demo_plan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo_plan)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    fake_cpu(monkeypatch, bf16)
-    assert demo_plan.main(["450", "150"]) == 0
-    out, err = capsys.readouterr()
-    expected = (450, 150) if bf16 else (round(450 * demo_plan.FP32_SHARE), round(150 * demo_plan.FP32_SHARE))
-    assert tuple(map(int, out.split())) == expected
-    assert (err == "") == bf16 and (bf16 or err.startswith("note: cpu without native bf16"))
-    assert demo_plan.main(["450", "150", "--as-given"]) == 0 and capsys.readouterr().out.split() == ["450", "150"]
-    assert demo_plan.main(["450"]) == 2 and "usage:" in capsys.readouterr().err
