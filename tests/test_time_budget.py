@@ -12,11 +12,12 @@ from test_train import flags, stop_at, weights
 
 import train_pretrain
 from common.errors import ConfigError, TrainingError
+from model.inference import read_train_info
 from trainer_utils import budget as budget_mod
 from trainer_utils import loop as loop_mod
 from trainer_utils import metrics as metrics_mod
 from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
-from trainer_utils.checkpoint import latest_checkpoint, load_training_state
+from trainer_utils.checkpoint import latest_checkpoint
 from trainer_utils.config import parse_train_config
 from trainer_utils.optim import WarmupCosine
 
@@ -158,7 +159,7 @@ def test_resume_continues_the_recorded_plan_bit_exactly(corpus, tmp_path, monkey
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "straight")) == 0
     stop_at(monkeypatch, 20)
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed")) == 0
-    state = load_training_state(latest_checkpoint(tmp_path / "resumed"))
+    state = read_train_info(latest_checkpoint(tmp_path / "resumed"))
     assert state["time_budget"]["steps"] == 35 and state["time_budget"]["used_s"] > 20
     monkeypatch.undo()
     virtual_clock(monkeypatch, lambda step: 1.0)
@@ -195,7 +196,7 @@ def test_a_slower_or_faster_machine_is_replanned_to_end_within_the_budget(corpus
     min_lr = 1e-3 / 10
     assert last["lr"] == pytest.approx(min_lr)  # the decay completed at the new last step
     assert (tmp_path / "run" / "latest").read_text().strip().endswith(f"step_{last['step']:08d}")
-    plan = load_training_state(latest_checkpoint(tmp_path / "run"))["time_budget"]
+    plan = read_train_info(latest_checkpoint(tmp_path / "run"))["time_budget"]
     assert plan["replans"] and plan["replans"][-1]["steps"] == last["step"]
 
 

@@ -14,9 +14,9 @@ While training, the guard component (components/budget.py) projects the end from
 `check_every` steps (about every 1% of the budget). When the machine slows down (or runs faster than measured)
 and the projection leaves [LOW, HIGH] of the budget, the run is re-planned from that step: the rest of the
 schedule is stretched or compressed so the decay still completes at the new last step (optim.py
-WarmupCosine.replan), and the change is logged. The plan and its re-plans are saved in every checkpoint:
---resume continues them, measuring nothing again, so resume stays bit-exact; every rank of a distributed run
-decides from the same all-reduced numbers.
+WarmupCosine.replan), and the change is logged. The plan and its re-plans are saved in every checkpoint
+(train_info.json): --resume continues them, measuring nothing again, so resume stays bit-exact; every rank of a
+distributed run decides from the same all-reduced numbers.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, TrainingError
@@ -34,7 +35,7 @@ TARGET = 0.97  # the plan ends the run here: 3% of the budget absorbs the noise 
 HIGH = 0.995  # a projected end past this share of the budget re-plans shorter
 LOW = 0.94  # one before it re-plans longer (when --max_steps / --epochs leave room)
 CHECK_SHARE = 0.01  # the guard looks at the clock about this often (a share of the budget)
-PLAN_KEY = "time_budget"  # the plan's key in a checkpoint's training state (the guard component's name)
+PLAN_KEY = "time_budget"  # the plan's key in a checkpoint's train_info.json and in train_config.json
 PROBE_DIR_NAME = ".time-budget-probe"  # the probe's scratch checkpoints, inside the run directory
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
@@ -99,7 +100,7 @@ class BudgetPlan:
     setup_s: float  # seconds spent before the first planned step (setup and the probe)
     check_every: int  # steps between the guard's looks at the clock
     timed_steps: int = 0
-    replans: list[dict[str, Any]] = field(default_factory=list)  # {"step", "steps", "step_s", "reason"}
+    replans: list[dict[str, Any]] = field(default_factory=list)  # {"step", "steps", "step_s", "spent_s"}
     used_s: float = 0.0  # seconds of the budget spent when the last checkpoint was written
 
     @property
@@ -182,8 +183,8 @@ def process_age() -> float:
     """Seconds since this process started (Linux: /proc; elsewhere 0): a budget counts the interpreter's start
     and the imports too, which take seconds before the script's first line runs."""
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        uptime = float(open("/proc/uptime").read().split()[0])
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
         return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError, AttributeError):
         return 0.0
@@ -198,11 +199,6 @@ class BudgetClock:
 
     def spent(self) -> float:
         return (self.spent_before or 0.0) + time.perf_counter() - self.started
-
-
-def median(values: list[float]) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
 def probe_count(first_s: float, budget_s: float) -> int:

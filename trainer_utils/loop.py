@@ -17,6 +17,7 @@ import gc
 import json
 import re
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from common.config import RESOLVED_KEY, to_dict
 from common.device import dtype_name, precision_policy, synchronize
 from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
 from common.files import TRAIN_CONFIG_NAME, write_atomic
+from model.inference import read_train_info
 from model.loading import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, load_state_into, read_state_dict
 from model.lora import load_lora_state_dict, save_lora
 
@@ -40,7 +42,6 @@ from .budget import (
     Costs,
     format_duration,
     make_plan,
-    median,
     parse_duration,
     probe_count,
     process_age,
@@ -226,6 +227,9 @@ class Trainer:
                     "dtype": dtype_name(self.precision.dtype)}
             if s.fallbacks:
                 info["precision_fallback"] = s.fallbacks
+            if self.plan is not None:  # a budget run's plan, and the budget spent so far: what --resume continues
+                self.plan.used_s = round(self.budget_clock.spent(), 3)
+                info[PLAN_KEY] = self.plan.to_dict()
             write = None if s.lora is None else lambda d: save_lora(self.model, d, s.lora, s.base_ref, s.tokenizer.path)
             save_checkpoint(self.run_dir, step, self.model, state, info, s.tokenizer.path, self.config.run.keep_last,
                             write, weights)
@@ -382,7 +386,7 @@ class Trainer:
             backend.barrier()
             if backend.is_main:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
-        step_s, eval_s, save_s = mean([median(steps), eval_s, save_s])
+        step_s, eval_s, save_s = mean([statistics.median(steps), eval_s, save_s])
         return Costs(step_s=step_s, first_extra_s=max(0.0, first_s - step_s), eval_s=eval_s, save_s=save_s,
                      timed_steps=len(steps))
 
@@ -427,7 +431,8 @@ def plan_budget(session: Session, clock: BudgetClock) -> BudgetPlan | None:
     made from a probe of this run's costs. None without a budget."""
     o, is_main = session.config.optim, session.env.rank == 0
     budget_s = parse_duration(o.time_budget) if o.time_budget is not None else None
-    saved = load_training_state(session.resume_from).get(PLAN_KEY) if session.resume_from is not None else None
+    # train_info.json, not training_state.pt: the latter holds the optimizer's state, which the Trainer loads
+    saved = read_train_info(session.resume_from).get(PLAN_KEY) if session.resume_from is not None else None
     if saved:
         plan = BudgetPlan.from_dict(saved)
         if budget_s is not None and budget_s != plan.budget_s:

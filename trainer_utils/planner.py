@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from model import PocketLM
 from model.config import PRESETS, get_preset
 from model.memory import estimate_memory
 
-from .budget import format_duration, median
+from .budget import format_duration
 from .metrics import flops_per_token
 from .optim import build_optimizer, is_hidden_matrix
 from .runtime import Precision
@@ -168,7 +169,7 @@ def time_steps(cfg, device: torch.device, precision: Precision, batch: int, seq_
     del model, optimizer, x  # before the next preset is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return StepTime(median([b for b, _ in parts]), median([u for _, u in parts]), peak)
+    return StepTime(statistics.median(b for b, _ in parts), statistics.median(u for _, u in parts), peak)
 
 
 def newton_schulz_flops(cfg) -> float:

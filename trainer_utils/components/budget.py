@@ -1,9 +1,9 @@
 """The time budget's guard (--time_budget): every `check_every` steps of a planned run (trainer_utils/budget.py),
-the end is projected from the recent step time; when it leaves [LOW, HIGH] of the budget (the machine slowed
-down, or runs faster than the probe measured) the rest of the run is re-planned, the schedule laid over the new
-number of steps, and the change logged. A re-plan that leaves no step ends the run at once, with its evaluation
-and checkpoint. Ranks decide from the same all-reduced numbers. The plan, its re-plans and the budget spent are
-this component's checkpoint state (the loop reads them back before building a resumed Trainer).
+the end is projected from the measured step time (run() says which); when it leaves [LOW, HIGH] of the budget
+(the machine slowed down, or runs faster than the probe measured) the rest of the run is re-planned, the schedule
+laid over the new number of steps, and the change logged. A re-plan that leaves no step ends the run at once,
+with its evaluation and checkpoint. Ranks decide from the same all-reduced numbers. The re-plans are recorded in
+the plan itself, which every checkpoint carries (loop.py Trainer.save) and a resumed Trainer starts from.
 """
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ SLOWER = 1.25  # a recent step time this much above the run's is a slow-down, no
 
 
 class TimeBudgetGuard(Component):
-    name = PLAN_KEY
-
     def __init__(self, trainer: Trainer) -> None:
         self.plan, self.clock = trainer.plan, trainer.budget_clock
         self.marks: list[tuple[float, int]] = []  # (training seconds, step) after the first step and at each check
@@ -86,12 +84,3 @@ class TimeBudgetGuard(Component):
         what = (f"ending at step {end} instead of {before}, the learning-rate decay completing there" if end > step
                 else f"stopping now, at step {step} of {before}")
         trainer.logger.message(f"time budget: {why}: {what}")
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.plan is None:
-            return {}
-        self.plan.used_s = round(self.clock.spent(), 3)
-        return self.plan.to_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass  # the loop read the plan before building the Trainer (loop.py plan_budget): it is self.plan
