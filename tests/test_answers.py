@@ -22,6 +22,8 @@ from common.answers import find_number, is_number_answer, judge, normalize_numbe
     (" 7 then 8", "7", "8", False, False),  # flexible takes the last number
     ("7 加 5 等于 12。答案是 12。", "12", "12", True, True),
     ("答案是13，不是 12", "13", "13", True, True),  # the stated answer, not the last number
+    (" So the answer is 18. Or the answer is 20.", "18", "18.", True, True),  # the first statement counts...
+    (" So the answer is 18. Or the answer is 20.", "20", "18.", False, True),  # ...as the harness's gsm8k takes it
 ])
 def test_numbers_are_found_and_compared_as_the_harness_does(output, gold, answer, correct, stated):
     verdict = judge(output, [gold])

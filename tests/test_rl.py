@@ -87,6 +87,25 @@ def test_grpo_clips_on_both_sides_in_the_advantage_direction():
         assert out.metrics["clip_frac"].item() == tokens[clipped_row]
 
 
+@pytest.mark.parametrize("epsilon, epsilon_high", [(0.1, 0.3), (0.3, 0.1)])
+def test_grpos_lower_and_upper_clip_bounds_are_each_their_own(epsilon, epsilon_high):
+    """Asymmetric bounds (clip-higher): the lower bound is 1 - epsilon and the upper 1 + epsilon_high, never the
+    other's. Ratio 0.8 with A < 0 is clipped only under 1 - 0.1; ratio 1.2 with A > 0 only over 1 + 0.1."""
+    low, high = 1 - epsilon, 1 + epsilon_high
+    a, tokens = (2.0, -1.0), (3, 2)
+    for ratio in (0.8, 1.2):
+        policy = Logits()
+        b = batch(policy, math.log(ratio), advantages=a)
+        out, grad = loss_and_grad(PolicyGradient("grpo", epsilon=epsilon, epsilon_high=epsilon_high), policy, b)
+        clipped = (ratio > high, ratio < low)  # row 0 (A > 0) is clipped above, row 1 (A < 0) below
+        assert any(clipped) == (ratio == 0.8 and epsilon == 0.1 or ratio == 1.2 and epsilon_high == 0.1)
+        weight = [min(max(ratio, low), high) if clipped[row] else ratio for row in (0, 1)]
+        expected = -sum(weight[row] * a[row] * tokens[row] for row in (0, 1))
+        assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+        for row in (0, 1):
+            assert (grad[row].abs().sum() == 0) == clipped[row], (ratio, row)
+
+
 def test_cispo_clips_the_weight_and_keeps_every_gradient():
     """ratio 1.5 > 1 + epsilon_high: the weight is 1.2, held fixed; the gradient is -1.2 * A * d log pi for every
     completion token, whatever the advantage's sign."""
@@ -320,6 +339,20 @@ def test_keyed_rows_sample_the_same_completion_in_any_batch(policy, tokenizer):
     assert other.completions != alone.completions
     with pytest.raises(ValueError, match="2 row keys for 3 rows"):
         sample_rollouts(policy, prompts[1:], 3, 12, stop, tokenizer.pad_id, row_keys=keys[:2])
+
+
+def test_the_grpo_stages_keys_give_each_group_member_its_own_draw(policy, tokenizer):
+    """The keys the stage samples with name the seed, the step, the prompt and the member: members of a group draw
+    different completions, and a prompt's group is the same whichever batch it is in (resume, DDP)."""
+    from trainer_utils.rollouts import sample_rollouts
+    from trainer_utils.stages.grpo import rollout_keys
+    keys = rollout_keys(42, 3, [5, 9], 4)
+    assert len(set(keys)) == 8 and keys[4:] == rollout_keys(42, 3, [9], 4)
+    assert not set(keys) & set(rollout_keys(42, 4, [5, 9], 4)) and not set(keys) & set(rollout_keys(43, 3, [5, 9], 4))
+    prompt = tokenizer.chat_prompt([{"role": "user", "content": "What is 7 + 5?"}])
+    out = sample_rollouts(policy, [prompt], 4, 12, tokenizer.stop_ids(chat=True), tokenizer.pad_id,
+                          row_keys=rollout_keys(42, 3, [5], 4))
+    assert len({tuple(c) for c in out.completions}) == 4
 
 
 def test_a_reward_model_directory_scores_the_chat_it_answers(reward_model):

@@ -57,6 +57,8 @@ def test_reply_that_starts_inside_an_opened_think_block():
     ('{"name": "calculator", "arguments": {"expression": "1+1"}', "not JSON"),
     ('["calculator"]', "not an object"),
     ('{"arguments": {}}', 'no "name"'),
+    ('{"name": "", "arguments": {}}', 'no "name"'),  # a blank name is no call
+    ('{"name": "  ", "arguments": {"expression": "1+1"}}', 'no "name"'),
     ('{"name": "calculator", "arguments": [1]}', '"arguments" is not an object'),
     ('{"name": "calculator", "arguments": "{oops"}', "string but not JSON"),
 ])

@@ -42,6 +42,14 @@ if TYPE_CHECKING:
     from ..session import Session
 
 ROLLOUT_TAG = 0x67727030  # "grp0": separates the rollouts' random numbers from any other seeded stream
+
+
+def rollout_keys(seed: int, step: int, indices: list[int], group: int) -> list[tuple[int, ...]]:
+    """One sampling key per completion (prompt-major): the run's seed, the step, the prompt's index in the data
+    and the completion's place in its group, so every member of a group samples its own tokens (a key without
+    the member would sample the group's completions alike: equal rewards, zero advantages, nothing learned) and a
+    resumed or data-parallel run draws exactly what one uninterrupted process draws."""
+    return [(seed, ROLLOUT_TAG, step, i, g) for i in indices for g in range(group)]
 LOGGED_GROUPS = 2  # groups written to rollouts.jsonl at each evaluation
 
 
@@ -110,7 +118,7 @@ class RolloutSampler:
         for ids, lengths, indices in step.micro:
             indices = indices.tolist()
             prompts = [row[len(row) - n:] for row, n in zip(ids.tolist(), lengths.tolist())]
-            keys = [(seed, ROLLOUT_TAG, number, i, g) for i in indices for g in range(self.group)]
+            keys = rollout_keys(seed, number, indices, self.group)
             r = sample_rollouts(trainer.model, prompts, self.group, self.budget, self.stop_ids,
                                 self.tokenizer.pad_id, self.temperature, autocast=trainer.precision.autocast,
                                 row_keys=keys)
