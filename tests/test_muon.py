@@ -210,6 +210,29 @@ def test_state_dict_round_trip_continues_identically():
         assert torch.equal(a, b)
 
 
+def test_fewer_newton_schulz_iterations_are_a_group_setting_that_resumes():
+    model = PocketLM(tiny_config())
+    three = build_optimizer(model, "muon", 1e-3, 0.1, (0.9, 0.95), 0.9, CPU, muon_ns_steps=3)
+    assert [g["ns_steps"] for g in three.param_groups if g["owner"] == "muon"] == [3]
+    assert [g["ns_steps"] for g in muon(model).param_groups if g["owner"] == "muon"] == [5]  # the default
+    matrix = next(p for g in three.param_groups if g["owner"] == "muon" for p in g["params"])
+    before = matrix.detach().clone()
+    matrix.grad = torch.randn(matrix.shape, generator=torch.Generator().manual_seed(0))
+    three.step()  # the only gradient: one matrix's first step, whose momentum-blended update is its gradient
+
+    def direction(update: torch.Tensor) -> torch.Tensor:
+        return update / update.norm()
+
+    moved = direction(before * (1 - 1e-3 * 0.1) - matrix.detach())
+    dtype = three.muon.ns_dtype
+    assert torch.allclose(moved, direction(newton_schulz(matrix.grad, dtype, 3).float()), atol=1e-2 if
+                          dtype != torch.float32 else 1e-5)
+    assert not torch.allclose(moved, direction(newton_schulz(matrix.grad, dtype, 5).float()), atol=1e-2)
+    twin = build_optimizer(copy.deepcopy(model), "muon", 1e-3, 0.1, (0.9, 0.95), 0.9, CPU)
+    twin.load_state_dict(three.state_dict())  # a resumed run keeps the iterations it started with
+    assert [g["ns_steps"] for g in twin.param_groups if g["owner"] == "muon"] == [3]
+
+
 def test_muon_with_accumulation_matches_a_bigger_batch(corpus, tmp_path):
     common = dict(max_steps=2, log_interval=1, eval_interval=100, save_interval=100, optimizer="muon")
     assert train_pretrain.main(flags(corpus, tmp_path, "big", batch_size=8, **common)) == 0
@@ -231,6 +254,7 @@ def test_muon_learns_a_sample_by_heart(corpus, tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--optimizer", "adamw", "--muon_lr", "0.01"], "--optimizer muon"),
+    (["--optimizer", "adamw", "--muon_ns_steps", "3"], "--muon_ns_steps sets Muon's Newton-Schulz iterations"),
     (["--optimizer", "muon", "--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"], "DDP"),
 ])
 def test_muon_settings_that_cannot_work_are_refused(argv, message):

@@ -75,6 +75,8 @@ class OptimConfig:
     muon_lr: float | None = option(None, "Muon's peak learning rate (default: --learning_rate; its updates are "
                                          "scaled to AdamW's RMS, so the two are on one scale)", above=0)
     muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", at_least=0, below=1)
+    muon_ns_steps: int | None = option(None, "Newton-Schulz iterations per Muon update (default 5: fewer are "
+                                             "cheaper and orthogonalise less exactly)", at_least=1)
     grad_clip: float = option(1.0, "clip the gradient norm to this; 0 disables clipping", at_least=0)
     max_bad_steps: int = option(10, "stop after this many consecutive steps skipped for non-finite gradients",
                                 at_least=1)
@@ -251,9 +253,10 @@ class TrainConfig:
                 raise ConfigError(f"{', '.join(given)} cannot take effect with --init_from: the model (its shape "
                                   f"and weights) comes from {self.model.init_from}; "
                                   f"drop {'it' if len(given) == 1 else 'them'}")
-        if self.optim.optimizer != "muon" and self.optim.muon_lr is not None:
-            raise ConfigError(f"--muon_lr sets Muon's learning rate; the optimizer is {self.optim.optimizer} (add "
-                              "--optimizer muon, or drop --muon_lr)")
+        for flag, what in (("muon_lr", "Muon's learning rate"), ("muon_ns_steps", "Muon's Newton-Schulz iterations")):
+            if self.optim.optimizer != "muon" and getattr(self.optim, flag) is not None:
+                raise ConfigError(f"--{flag} sets {what}; the optimizer is {self.optim.optimizer} (add "
+                                  f"--optimizer muon, or drop --{flag})")
         if self.model.compile and (problem := compile_toolchain_problem()):
             raise ConfigError(problem)
         if self.precision.deepspeed is not None:

@@ -99,7 +99,7 @@ class Trainer:
         # backend trains: the order a sharded backend needs
         self.wrapped, self.optimizer = self.backend.wrap(self.model, lambda model: build_optimizer(
             model, o.optimizer, o.learning_rate, o.weight_decay, (o.beta1, o.beta2), o.momentum, self.device,
-            o.adam_eps, o.muon_lr, o.muon_momentum))
+            o.adam_eps, o.muon_lr, o.muon_momentum, o.muon_ns_steps))
         world = self.backend.world_size
         self.samples_per_step = o.batch_size * o.accumulation_steps * world
         steps_per_epoch = max(1, len(s.train_data) // self.samples_per_step)

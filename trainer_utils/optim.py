@@ -9,7 +9,7 @@ import torch
 from common.device import precision_policy
 from common.errors import ConfigError
 
-from .muon import Muon
+from .muon import NS_STEPS, Muon
 
 OPTIMIZERS = ("adamw", "muon", "sgd")
 
@@ -83,7 +83,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
                     momentum: float, device: torch.device, eps: float = 1e-8, muon_lr: float | None = None,
-                    muon_momentum: float = 0.95) -> torch.optim.Optimizer:
+                    muon_momentum: float = 0.95, muon_ns_steps: int | None = None) -> torch.optim.Optimizer:
     """AdamW, SGD or Muon+AdamW over `model`'s trainable parameters, weight decay on matrices only.
 
     Every group may carry an "lr_scale": its learning rate relative to the schedule's (WarmupCosine applies it),
@@ -106,7 +106,8 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
         # the rest on AdamW, decayed as usual: MoE expert stacks, routers and an untied head decay, the others not
         rest = param_groups(((n, p) for n, p in named if not is_hidden_matrix(n, p)), weight_decay)
         scale = (muon_lr if muon_lr is not None else lr) / lr
-        muon_groups = [{"params": hidden, "lr": lr * scale, "lr_scale": scale, "weight_decay": weight_decay}]
+        muon_groups = [{"params": hidden, "lr": lr * scale, "lr_scale": scale, "weight_decay": weight_decay,
+                        "ns_steps": muon_ns_steps or NS_STEPS}]
         adamw_groups = [{**group, "lr": lr} for group in rest if group["params"]]
         return MuonWithAdamW(muon_groups, adamw_groups, momentum=muon_momentum, betas=betas, eps=eps, fused=fused,
                              ns_dtype=precision_policy(device).optimizer)
