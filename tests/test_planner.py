@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from common.errors import DataError
 from model import __main__ as model_cli
@@ -89,6 +90,14 @@ def test_the_command_line_trains_the_recommendation(small_corpus, capsys):
     line = next(s for s in out.splitlines() if "train_pretrain.py" in s)
     assert f"--preset tiny --data_path {small_corpus} --time_budget 30s --batch_size 8" in line
     assert "--epochs 4" in line  # many epochs of a small file fit in the budget: --epochs must allow them
+
+
+def test_a_short_run_gets_the_short_run_learning_rate():
+    short, long = row("a", 10e6, 1e3), row("a", 10e6, 1e6)  # an hour: ~790 steps of 8 x 512, ~790,000
+    assert short.trained_tokens / (8 * 512) < planner.SHORT_RUN_STEPS < long.trained_tokens / (8 * 512)
+    for flag in planner.SHORT_RUN_FLAGS:
+        assert flag in planner.command(short, "1h", "d.jsonl", torch.device("cpu"))
+        assert flag not in planner.command(long, "1h", "d.jsonl", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("argv,message", [

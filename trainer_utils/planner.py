@@ -43,6 +43,12 @@ MEMORY_SHARE = 0.85  # of the device's memory a plan may fill (the allocator, th
 BATCHES = (64, 32, 16, 8, 4, 2, 1)  # on a GPU, the largest that fits is timed and recommended
 CPU_BATCH = 1  # a CPU times one sequence a step (a full 26M step of 8 x 512 takes ~15 s on 2 cores)...
 CPU_COMMAND_BATCH = 8  # ...and its tokens/s are those of the batch its command line trains with
+# A run planned for fewer steps than SHORT_RUN_STEPS gets the demo recipe's settings (recipes/demo-pretrain.yaml):
+# QK-norm, which keeps attention logits bounded at a high learning rate, and that learning rate with a short
+# warm-up. The presets' default, 5e-4, is for runs of many thousand steps: in 10 minutes on a 2-core CPU (~140
+# steps) it left mini-30m at val loss 5.23 (dev/LOG.md, 2026-12-05).
+SHORT_RUN_STEPS = 1000
+SHORT_RUN_FLAGS = ("--qk_norm", "--learning_rate 4e-3", "--warmup_steps 20")
 SAMPLE_BYTES = 2 << 20  # of --data_path read to estimate its tokens
 VOCAB_SIZE = 6400  # the shipped tokenizer's, which the trainers give a new model
 
@@ -267,6 +273,8 @@ def command(best: PresetRow, budget: str, data_path: str | None, device: torch.d
              f"--time_budget {budget}", f"--batch_size {batch}"]
     if epochs and epochs > 1:
         parts.append(f"--epochs {epochs}")  # --epochs bounds a budget run: let it use the time
+    if best.trained_tokens / (batch * best.seq_len) < SHORT_RUN_STEPS:
+        parts.extend(SHORT_RUN_FLAGS)
     return " ".join(parts)
 
 
