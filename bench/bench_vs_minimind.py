@@ -47,6 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.device import cpu_description  # noqa: E402
 from model import load_model  # noqa: E402
 from model.inference import split_windows  # noqa: E402
 from model.loading import resolve_model_dir  # noqa: E402
@@ -275,8 +276,8 @@ def main() -> None:
 
     legs = [leg("MiniMind", minimind)]
     legs += [leg(name, lambda n=name, f=flags: ours(n, f, legs[0].wall_s)) for name, flags in configs.items()]
-    machine = " ".join(os.popen("grep -m1 'model name' /proc/cpuinfo").read().split(":")[-1].split())
-    report = {"machine": machine, "threads": args.threads, "data": str(args.data), "train_docs": args.train_docs,
+    report = {"machine": cpu_description(), "cores": os.cpu_count(), "threads": args.threads,
+              "data": str(args.data), "train_docs": args.train_docs,
               "heldout_docs": {k: len(read_texts(v)) for k, v in held.items()}, "legs": [asdict(x) for x in legs]}
     (args.out / "results.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
     (args.out / "results.md").write_text(table(legs) + "\n")

@@ -211,6 +211,10 @@ def capabilities(device: torch.device) -> Capabilities:
 
 
 # ------------------------------------------------------------------------------ policy
+NEWTON_SCHULZ_STEPS = 5  # torch.optim.Muon's (Keller Jordan's) count, for bf16 and fp16
+FP32_NEWTON_SCHULZ_STEPS = 3
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """The number formats of one device, derived from its capabilities in one place.
@@ -218,12 +222,19 @@ class PrecisionPolicy:
     train      autocast dtype of the trainers' --dtype auto (float16 comes with loss scaling)
     inference  weight dtype of --dtype auto in evaluation, serving and benchmarks of inference
     optimizer  the optimizer's own matrix arithmetic (Muon's Newton-Schulz iteration)
+    newton_schulz_steps  Muon's iterations: torch.optim.Muon's 5 in a reduced format; 3 in fp32, where on a CPU
+               the iteration is a quarter of a 26M step and 3 learned more per second than 5 on EN and ZH
+               (docs/precision.md, bench/results/vs-minimind-avx2-epyc.json)
     """
 
     caps: Capabilities
     train: torch.dtype
     inference: torch.dtype
     optimizer: torch.dtype
+
+    @property
+    def newton_schulz_steps(self) -> int:
+        return FP32_NEWTON_SCHULZ_STEPS if self.optimizer == torch.float32 else NEWTON_SCHULZ_STEPS
 
     @property
     def reason(self) -> str:

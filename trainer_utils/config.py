@@ -75,8 +75,9 @@ class OptimConfig:
     muon_lr: float | None = option(None, "Muon's peak learning rate (default: --learning_rate; its updates are "
                                          "scaled to AdamW's RMS, so the two are on one scale)", above=0)
     muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", at_least=0, below=1)
-    muon_ns_steps: int | None = option(None, "Newton-Schulz iterations per Muon update (default 5: fewer are "
-                                             "cheaper and orthogonalise less exactly)", at_least=1)
+    muon_ns_steps: int | None = option(None, "Newton-Schulz iterations per Muon update (default: 5 where the "
+                                             "iteration runs in bf16 or fp16, 3 in fp32, docs/precision.md)",
+                                       at_least=1)
     grad_clip: float = option(1.0, "clip the gradient norm to this; 0 disables clipping", at_least=0)
     max_bad_steps: int = option(10, "stop after this many consecutive steps skipped for non-finite gradients",
                                 at_least=1)

@@ -147,7 +147,9 @@ class Trainer:
                          "tokenizer": str(s.tokenizer.path), "tokenizer_sha256": s.tokenizer.sha256,
                          "model": cfg.to_dict(), "parameters": cfg.num_parameters()}
         if o.optimizer == "muon":
-            self.resolved["newton_schulz_dtype"] = dtype_name(precision_policy(self.device).optimizer)
+            policy = precision_policy(self.device)
+            self.resolved["newton_schulz_dtype"] = dtype_name(policy.optimizer)
+            self.resolved["newton_schulz_steps"] = o.muon_ns_steps or policy.newton_schulz_steps
         if len(s.data.sources) > 1:
             self.resolved["data_mixture"] = s.data.sources
         if s.fallbacks:

@@ -7,7 +7,10 @@ iteration's number format. torch's always casts to bf16, which an AVX2-only CPU 
 speed: one step over the demo model's matrices took 8.4 s there, against 0.01 s for AdamW. Here the dtype is
 the device's (common/device.py): bf16 where it is native, where this code computes exactly what torch's does
 (tested bit for bit); fp32 on CPUs without native bf16; fp16 on GPUs without bf16 (pre-Ampere), where the
-matrix is normalised in fp32 before the cast so tiny gradients do not underflow fp16's range.
+matrix is normalised in fp32 before the cast so tiny gradients do not underflow fp16's range. The iteration
+count is the policy's too (`--muon_ns_steps` overrides it): torch's 5 in bf16 and fp16; 3 in fp32, where on a
+CPU the iteration is about a quarter of a 26M step and 3 iterations learned more per second (docs/precision.md).
+It is a group setting ("ns_steps"), so a checkpoint resumes with the count it was trained with.
 
 The state ("momentum_buffer" per parameter) and the group keys are torch's, so optimizer state saved under
 torch.optim.Muon loads here and resumes exactly; this code does not need torch.optim.Muon, which PyTorch
@@ -25,13 +28,14 @@ from typing import Any, Iterable
 
 import torch
 
+from common.device import NEWTON_SCHULZ_STEPS
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
 EPS = 1e-7
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
 
-def newton_schulz(grad: torch.Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = NS_STEPS,
+def newton_schulz(grad: torch.Tensor, dtype: torch.dtype = torch.bfloat16, steps: int = NEWTON_SCHULZ_STEPS,
                   coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = EPS) -> torch.Tensor:
     """An approximately orthogonal matrix U S' V^T (S' ~ 1) for the 2-D `grad` = U S V^T, computed in `dtype`.
 
@@ -73,7 +77,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                 eps: float = EPS, ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = None,
+                 eps: float = EPS, ns_steps: int = NEWTON_SCHULZ_STEPS, adjust_lr_fn: str | None = None,
                  ns_dtype: torch.dtype = torch.bfloat16) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"Muon needs lr, momentum and weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")

@@ -9,7 +9,7 @@ import torch
 from common.device import precision_policy
 from common.errors import ConfigError
 
-from .muon import NS_STEPS, Muon
+from .muon import Muon
 
 OPTIMIZERS = ("adamw", "muon", "sgd")
 
@@ -106,11 +106,12 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
         # the rest on AdamW, decayed as usual: MoE expert stacks, routers and an untied head decay, the others not
         rest = param_groups(((n, p) for n, p in named if not is_hidden_matrix(n, p)), weight_decay)
         scale = (muon_lr if muon_lr is not None else lr) / lr
+        policy = precision_policy(device)
         muon_groups = [{"params": hidden, "lr": lr * scale, "lr_scale": scale, "weight_decay": weight_decay,
-                        "ns_steps": muon_ns_steps or NS_STEPS}]
+                        "ns_steps": muon_ns_steps or policy.newton_schulz_steps}]
         adamw_groups = [{**group, "lr": lr} for group in rest if group["params"]]
         return MuonWithAdamW(muon_groups, adamw_groups, momentum=muon_momentum, betas=betas, eps=eps, fused=fused,
-                             ns_dtype=precision_policy(device).optimizer)
+                             ns_dtype=policy.optimizer)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 

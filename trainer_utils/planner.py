@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.device import choose_dtype, dtype_name, parse_device, synchronize
+from common.device import NEWTON_SCHULZ_STEPS, choose_dtype, dtype_name, parse_device, precision_policy, synchronize
 from common.errors import ConfigError, DataError
 from model import PocketLM
 from model.config import PRESETS, get_preset
@@ -178,16 +178,16 @@ def time_steps(cfg, device: torch.device, precision: Precision, batch: int, seq_
     return StepTime(statistics.median(b for b, _ in parts), statistics.median(u for _, u in parts), peak)
 
 
-def newton_schulz_flops(cfg) -> float:
-    """FLOPs of one Muon update's Newton-Schulz iterations (5 per matrix, each 4 m^2 n + 2 m^3 for an m x n
-    matrix with m <= n) over the matrices Muon takes: what an update costs beyond AdamW's few per weight."""
+def newton_schulz_flops(cfg, steps: int = NEWTON_SCHULZ_STEPS) -> float:
+    """FLOPs of one Muon update's Newton-Schulz iterations (`steps` per matrix, each 4 m^2 n + 2 m^3 for an
+    m x n matrix with m <= n) over the matrices Muon takes: what an update costs beyond AdamW's few per weight."""
     with torch.device("meta"):
         model = PocketLM(cfg)
     total = 0.0
     for name, p in model.named_parameters():
         if is_hidden_matrix(name, p):
             m, n = sorted(p.shape)
-            total += 5 * (4 * m * m * n + 2 * m ** 3)
+            total += steps * (4 * m * m * n + 2 * m ** 3)
     return total
 
 
@@ -222,7 +222,8 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | None = Non
         # what the command line trains with: the timed batch on a GPU; on a CPU a few sequences a step, whose
         # forward and backward scale with the batch while the update does not
         batch = timed_batch if device.type == "cuda" else CPU_COMMAND_BATCH
-        fb_flops, ns_flops = flops_per_token(cfg, seq) * timed_batch * seq, newton_schulz_flops(cfg)
+        fb_flops = flops_per_token(cfg, seq) * timed_batch * seq
+        ns_flops = newton_schulz_flops(cfg, precision_policy(device).newton_schulz_steps)
         estimate = estimate_memory(cfg, batch, seq, choice.dtype, optimizer=OPTIMIZER).peak
         if last is not None and (fb_flops / last[0] + ns_flops / last[1]) * 3 > max_step_s:  # too long to time
             t, measured, peak = StepTime(fb_flops / last[0], ns_flops / last[1], None), False, None
