@@ -48,6 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.device import cpu_description  # noqa: E402
+from common.errors import DataError  # noqa: E402
+from dataset.jsonl import read_records  # noqa: E402
+from dataset.tokenizer import Tokenizer  # noqa: E402
 from model import load_model  # noqa: E402
 from model.inference import split_windows  # noqa: E402
 from model.loading import resolve_model_dir  # noqa: E402
@@ -77,14 +80,7 @@ class Leg:
 
 def split(data: Path, out: Path, train_docs: int, every: int) -> tuple[Path, dict[str, Path]]:
     """Write the training file and the held-out files (one per language); return their paths."""
-    texts = []
-    for number, line in enumerate(data.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            texts.append(json.loads(line)["text"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise SystemExit(f"error: {data}:{number}: expected a JSON object with a \"text\" string") from None
+    texts = [record["text"] for _, record in read_records(data, "text")]  # a bad line: DataError naming it
     held = {"en": [], "zh": []}
     train = []
     for i, text in enumerate(texts):
@@ -207,7 +203,6 @@ def run_pocketlm(name: str, flags: str, train: Path, out: Path, budget_s: float,
     steps = [r for r in records if "tokens_seen" in r]
     losses = [r["loss"] for r in steps if "loss" in r]
     step_s = steady([(r["step"], r["elapsed_s"]) for r in steps])
-    from dataset.tokenizer import Tokenizer
     tok = Tokenizer(resolve_model_dir(runs / name))
     texts = read_texts(train)
     bytes_per_token = sum(len(t.encode("utf-8")) for t in texts) / sum(len(tok.encode(t)) + 1 for t in texts)
@@ -217,7 +212,6 @@ def run_pocketlm(name: str, flags: str, train: Path, out: Path, budget_s: float,
 
 
 def score_pocketlm(run_dir: Path, held: dict[str, Path]) -> dict[str, float]:
-    from dataset.tokenizer import Tokenizer
     model, model_dir = load_model(run_dir)
     tok = Tokenizer(model_dir)
     return {lang: bits_per_byte(model, tok.encode, tok.eot_id, read_texts(path)) for lang, path in held.items()}
@@ -252,7 +246,10 @@ def main() -> None:
     if not (args.minimind / "trainer" / "train_pretrain.py").is_file():
         raise SystemExit(f"error: {args.minimind}: no trainer/train_pretrain.py (expected a MiniMind checkout)")
     configs = dict(c.split("=", 1) if "=" in c else (c, "") for c in args.config) or {"default": ""}
-    train, held = split(args.data, args.out, args.train_docs, args.heldout_every)
+    try:
+        train, held = split(args.data, args.out, args.train_docs, args.heldout_every)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
     (args.out / "legs").mkdir(parents=True, exist_ok=True)
 
     def leg(name: str, measure: Callable[[], Leg]) -> Leg:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench import bench_vs_minimind as vs  # a module, not loaded from its path: its dataclasses need sys.modules
+from common.errors import DataError
 from dataset.tokenizer import Tokenizer
 from model import PocketLM
 
@@ -30,7 +31,7 @@ def test_the_split_holds_out_every_nth_document_by_language(tmp_path):
 def test_a_bad_line_is_named(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "a"}\n{"conversations": []}\n')
-    with pytest.raises(SystemExit, match=r"data.jsonl:2: expected a JSON object"):
+    with pytest.raises(DataError, match=r"data.jsonl:2: missing \"text\""):
         vs.split(data, tmp_path / "out", 10, 2)
 
 

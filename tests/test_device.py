@@ -286,6 +286,7 @@ def test_the_run_header_says_what_was_chosen_and_why(corpus, tmp_path, monkeypat
     resolved = json.loads((tmp_path / "run" / "train_config.json").read_text())["resolved"]
     expected = "bfloat16" if bf16 else "float32"
     assert resolved["dtype"] == expected and resolved["newton_schulz_dtype"] == expected
+    assert resolved["newton_schulz_steps"] == (5 if bf16 else 3)
     assert resolved["precision"] == f"cpu {'with' if bf16 else 'without'} native bf16 (faked: " \
                                     f"{'native' if bf16 else 'no native'} bf16): {expected}"
     assert resolved["precision"] in capsys.readouterr().err

@@ -147,9 +147,10 @@ class Trainer:
                          "tokenizer": str(s.tokenizer.path), "tokenizer_sha256": s.tokenizer.sha256,
                          "model": cfg.to_dict(), "parameters": cfg.num_parameters()}
         if o.optimizer == "muon":
-            policy = precision_policy(self.device)
-            self.resolved["newton_schulz_dtype"] = dtype_name(policy.optimizer)
-            self.resolved["newton_schulz_steps"] = o.muon_ns_steps or policy.newton_schulz_steps
+            self.resolved["newton_schulz_dtype"] = dtype_name(precision_policy(self.device).optimizer)
+            # what the optimizer runs (the policy's count or --muon_ns_steps; a resumed run's own, once restored)
+            self.resolved["newton_schulz_steps"] = next(g["ns_steps"] for g in self.optimizer.param_groups
+                                                        if g["owner"] == "muon")
         if len(s.data.sources) > 1:
             self.resolved["data_mixture"] = s.data.sources
         if s.fallbacks:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ..session import Session
 
 ROLLOUT_TAG = 0x67727030  # "grp0": separates the rollouts' random numbers from any other seeded stream
+LOGGED_GROUPS = 2  # groups written to rollouts.jsonl at each evaluation
 
 
 def rollout_keys(seed: int, step: int, indices: list[int], group: int) -> list[tuple[int, ...]]:
@@ -50,7 +51,6 @@ def rollout_keys(seed: int, step: int, indices: list[int], group: int) -> list[t
     the member would sample the group's completions alike: equal rewards, zero advantages, nothing learned) and a
     resumed or data-parallel run draws exactly what one uninterrupted process draws."""
     return [(seed, ROLLOUT_TAG, step, i, g) for i in indices for g in range(group)]
-LOGGED_GROUPS = 2  # groups written to rollouts.jsonl at each evaluation
 
 
 class GRPO(Stage):
