@@ -4,7 +4,8 @@
     python scripts/ab_numerics.py record /tmp/after.json       # after it
     python scripts/ab_numerics.py compare /tmp/before.json /tmp/after.json
 
-`record` trains a tiny pretraining model with Muon, then SFT, LoRA, DPO and distillation on top of it (AdamW), and a
+`record` trains a tiny pretraining model with Muon, then SFT, LoRA, DPO and distillation on top of it (AdamW), GRPO
+from the SFT model (without and with the KL term, and CISPO's loss; held-out math scored), and a
 mixture-of-experts pretraining run, each in float32 and bfloat16 on the bundled demo data, with logging, evaluation,
 layer statistics, samples and probes at short intervals, and a resume half-way for pretraining. It keeps each
 run's metrics.jsonl (timings dropped), samples and probes, and the sha256 of every final weight file. `compare`
@@ -49,6 +50,13 @@ def runs(out: Path, dtype: str) -> list[tuple[str, str, list[str]]]:
                                                "--max_seq_len", "64", "--lora_rank", "4"]),
         (f"distill-{dtype}", "train_distillation.py", [*base, "--teacher", str(pretrain), *tiny,
                                                        "--hidden_size", "32", "--max_steps", "6"]),
+        *[(f"{name}-{dtype}", "train_grpo.py", [*base, "--init_from", str(sft), "--max_steps", "4",
+                                                "--batch_size", "2", "--num_generations", "4",
+                                                "--max_completion_tokens", "8", "--max_seq_len", "64",
+                                                "--learning_rate", "1e-3", "--sample_prompts", "none",
+                                                "--eval_tasks", "dataset/demo/math_heldout.jsonl",
+                                                "--eval_task_items", "4", *extra])
+          for name, extra in (("grpo", []), ("grpo-kl", ["--beta", "0.04"]), ("cispo", ["--loss_type", "cispo"]))],
         (f"moe-{dtype}", "train_pretrain.py", [*base, *tiny, "--num_experts", "4", "--num_experts_per_tok", "2",
                                                "--max_steps", "6", "--optimizer", "adamw",
                                                "--router_bias_update_rate", "0.001"]),
@@ -84,6 +92,7 @@ def record(path: Path, dtypes: list[str]) -> None:
                     "metrics": read_jsonl(run_dir / "metrics.jsonl"),
                     "samples": read_jsonl(run_dir / "samples.jsonl"),
                     "probes": read_jsonl(run_dir / "probes.jsonl"),
+                    "rollouts": read_jsonl(run_dir / "rollouts.jsonl"),
                     "weights": {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
                                 for p in sorted(run_dir.glob("latest/*.safetensors"))},
                 }
@@ -99,8 +108,8 @@ def compare(a_path: Path, b_path: Path) -> int:
             print(f"{name}: only in {'the first' if name in a else 'the second'}")
             differences += 1
             continue
-        for part in ("metrics", "samples", "probes", "weights"):
-            x, y = a[name][part], b[name][part]
+        for part in ("metrics", "samples", "probes", "rollouts", "weights"):
+            x, y = a[name].get(part, []), b[name].get(part, [])
             if x == y:
                 continue
             differences += 1
