@@ -5,7 +5,8 @@
     python scripts/ab_numerics.py compare /tmp/before.json /tmp/after.json
 
 `record` trains a tiny pretraining model with Muon, then SFT, LoRA, DPO and distillation on top of it (AdamW), GRPO
-from the SFT model (without and with the KL term, and CISPO's loss; held-out math scored), and a
+from the SFT model (without and with the KL term, and CISPO's loss; rewarded for the answer and its length, so
+advantages are not all zero; held-out math scored), and a
 mixture-of-experts pretraining run, each in float32 and bfloat16 on the bundled demo data, with logging, evaluation,
 layer statistics, samples and probes at short intervals, and a resume half-way for pretraining. It keeps each
 run's metrics.jsonl (timings dropped), samples and probes, and the sha256 of every final weight file. `compare`
@@ -23,9 +24,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from model.loading import resolve_model_dir  # noqa: E402
+
 # what a rerun may change: wall-clock time and the process's memory
 TIMING_KEYS = {"tokens_per_s", "step_time_s", "data_wait_frac", "elapsed_s", "peak_rss_gb", "peak_mem_gb", "mfu",
-               "time", "memory_measured_gb"}
+               "time", "memory_measured_gb", "rollout_tokens_per_s"}
 COMMON = ["--num_workers", "0", "--batch_size", "4", "--log_interval", "2", "--eval_interval", "4",
           "--save_interval", "4", "--eval_batches", "2", "--probes", "dataset/prompts/probes.tsv",
           "--sample_tokens", "8", "--overwrite"]
@@ -55,7 +59,7 @@ def runs(out: Path, dtype: str) -> list[tuple[str, str, list[str]]]:
                                                 "--max_completion_tokens", "8", "--max_seq_len", "64",
                                                 "--learning_rate", "1e-3", "--sample_prompts", "none",
                                                 "--eval_tasks", "dataset/demo/math_heldout.jsonl",
-                                                "--eval_task_items", "4", *extra])
+                                                "--eval_task_items", "4", "--reward", "exact,length", *extra])
           for name, extra in (("grpo", []), ("grpo-kl", ["--beta", "0.04"]), ("cispo", ["--loss_type", "cispo"]))],
         (f"moe-{dtype}", "train_pretrain.py", [*base, *tiny, "--num_experts", "4", "--num_experts_per_tok", "2",
                                                "--max_steps", "6", "--optimizer", "adamw",
@@ -88,13 +92,15 @@ def record(path: Path, dtypes: list[str]) -> None:
                 if done.returncode != 0:
                     sys.exit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
                 run_dir = out / name
+                weights = sorted(resolve_model_dir(run_dir).glob("*.safetensors"))
+                if not weights:  # the comparison must not pass for want of anything to compare
+                    sys.exit(f"{name}: no weights in {run_dir}'s latest checkpoint")
                 results[name] = {
                     "metrics": read_jsonl(run_dir / "metrics.jsonl"),
                     "samples": read_jsonl(run_dir / "samples.jsonl"),
                     "probes": read_jsonl(run_dir / "probes.jsonl"),
                     "rollouts": read_jsonl(run_dir / "rollouts.jsonl"),
-                    "weights": {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-                                for p in sorted(run_dir.glob("latest/*.safetensors"))},
+                    "weights": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in weights},
                 }
                 print(f"{name}: {len(results[name]['metrics'])} records", file=sys.stderr)
     path.write_text(json.dumps(results, indent=1) + "\n")
@@ -110,6 +116,8 @@ def compare(a_path: Path, b_path: Path) -> int:
             continue
         for part in ("metrics", "samples", "probes", "rollouts", "weights"):
             x, y = a[name].get(part, []), b[name].get(part, [])
+            if part != "weights":  # a recording made before a timing key was known to be one
+                x, y = ([{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows] for rows in (x, y))
             if x == y:
                 continue
             differences += 1
