@@ -5,8 +5,8 @@
     python scripts/ab_numerics.py compare /tmp/before.json /tmp/after.json
 
 `record` trains a tiny pretraining model with Muon, then SFT, LoRA, DPO and distillation on top of it (AdamW), GRPO
-from the SFT model (without and with the KL term, and CISPO's loss; rewarded for the answer and its length, so
-advantages are not all zero; held-out math scored), and a
+from the SFT model (without and with the KL term, and CISPO's loss; rewarded by a term that varies within a
+group, so advantages are not all zero; held-out math scored), and a
 mixture-of-experts pretraining run, each in float32 and bfloat16 on the bundled demo data, with logging, evaluation,
 layer statistics, samples and probes at short intervals, and a resume half-way for pretraining. It keeps each
 run's metrics.jsonl (timings dropped), samples and probes, and the sha256 of every final weight file. `compare`
@@ -41,6 +41,7 @@ def runs(out: Path, dtype: str) -> list[tuple[str, str, list[str]]]:
     pretrain = out / f"pretrain-{dtype}"
     sft = out / f"sft-{dtype}"
     tiny = ["--preset", "tiny", "--max_seq_len", "64"]
+    reward = f"exact,{out / 'reward.py'}:score"
     return [
         (f"pretrain-{dtype}", "train_pretrain.py", [*base, *tiny, "--max_steps", "8", "--optimizer", "muon",
                                                     "--learning_rate", "2e-3", "--warmup_steps", "2"]),
@@ -59,7 +60,7 @@ def runs(out: Path, dtype: str) -> list[tuple[str, str, list[str]]]:
                                                 "--max_completion_tokens", "8", "--max_seq_len", "64",
                                                 "--learning_rate", "1e-3", "--sample_prompts", "none",
                                                 "--eval_tasks", "dataset/demo/math_heldout.jsonl",
-                                                "--eval_task_items", "4", "--reward", "exact,length", *extra])
+                                                "--eval_task_items", "4", "--reward", reward, *extra])
           for name, extra in (("grpo", []), ("grpo-kl", ["--beta", "0.04"]), ("cispo", ["--loss_type", "cispo"]))],
         (f"moe-{dtype}", "train_pretrain.py", [*base, *tiny, "--num_experts", "4", "--num_experts_per_tok", "2",
                                                "--max_steps", "6", "--optimizer", "adamw",
@@ -78,6 +79,9 @@ def record(path: Path, dtypes: list[str]) -> None:
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
+        # a reward that differs between a group's completions however little the tiny model has learned (its
+        # answers are never right): advantages that are not all zero, so the policy loss moves the weights
+        (out / "reward.py").write_text("def score(completion, record):\n    return sum(map(ord, completion)) % 7 / 7\n")
         for dtype in dtypes:
             for name, script, flags in runs(out, dtype):
                 run_name = ["--run_name", name]
