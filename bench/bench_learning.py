@@ -209,7 +209,7 @@ def check_configs(configs: list[Config], shared: list[str], seeds_given: bool) -
 def parse_flags(argv: list[str], label: str) -> Any:
     """train_pretrain.py's configuration of argv, parsed by its own parser (so every flag it has is accepted, and
     a bad one is found before anything trains); UsageError naming the configuration otherwise."""
-    from trainer_utils.config import parse_train_config
+    from trainer_utils.stages import parse_train_config
 
     stderr = io.StringIO()
     try:

@@ -60,11 +60,12 @@ from model import ModelConfig, PocketLM  # noqa: E402
 from model.config import config_from_flags, get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
 from trainer_utils.backend import TorchBackend  # noqa: E402
-from trainer_utils.config import TrainConfig, parse_train_config  # noqa: E402
+from trainer_utils.config import TrainConfig  # noqa: E402
 from trainer_utils.loop import Trainer  # noqa: E402
 from trainer_utils.metrics import flops_per_token, peak_flops  # noqa: E402
 from trainer_utils.optim import build_optimizer  # noqa: E402
 from trainer_utils.runtime import Precision  # noqa: E402
+from trainer_utils.stages import parse_train_config  # noqa: E402
 
 
 def reset_peak_rss() -> None:

@@ -16,18 +16,12 @@ from common.errors import ConfigError
 
 from .datasets import PretrainDataset, SFTDataset
 from .jsonl import DataError, SkipReport
+from .kinds import CONVERSATIONS, PAIRS, PROMPTS, TEXT, CachedKind, DataKind
 from .mixture import Mixture
 from .preference import PreferenceDataset
 from .prompts import PromptDataset
 from .token_cache import DEFAULT_SPLIT_SEED, TokenCache, prepare
 from .tokenizer import Tokenizer
-
-# The kinds of training records: raw text ({"text"}), conversations ({"conversations"}) and preference pairs
-# ({"chosen", "rejected"}). The values name the token caches on disk (and `--kind`), so they stay as they were.
-# Prompts with checked answers ({"prompt" | "conversations", "answer"}) for reinforcement learning are few and
-# short: tokenized in memory when read, with no cache and no validation split.
-TEXT, CONVERSATIONS, PAIRS, PROMPTS = "pretrain", "sft", "dpo", "prompts"
-DATA_KINDS = (TEXT, CONVERSATIONS, PAIRS)
 
 
 @dataclass(frozen=True)
@@ -96,7 +90,7 @@ class DataConfig:
         return sources
 
 
-def prepare_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len: int,
+def prepare_data(data: DataConfig, tokenizer: Tokenizer, kind: CachedKind, max_seq_len: int,
                  log: Callable[[str], None] = print) -> list[tuple[DataSource, TokenCache]]:
     """The token cache of each --data_path file (built if missing or stale). Pretraining caches do not depend
     on the context length (windows are cut at read time); SFT and DPO caches do, since overlong examples are cut
@@ -130,7 +124,7 @@ class TrainingData:
         return self.val[0].data if self.val else None
 
 
-def training_data(data: DataConfig, tokenizer: Tokenizer, kind: str, max_seq_len: int, batch_size: int,
+def training_data(data: DataConfig, tokenizer: Tokenizer, kind: DataKind, max_seq_len: int, batch_size: int,
                   seed: int, log: Callable[[str], None] = print) -> TrainingData:
     """Prepare every --data_path file and build the training order the loop walks (see dataset/mixture.py).
     max_seq_len bounds a record's tokens (PROMPTS: a prompt's)."""
@@ -195,8 +189,8 @@ class CacheTarget:
     """What the prepared cache is for."""
 
     title: ClassVar[str] = "cache"
-    kind: Literal["pretrain", "sft", "dpo"] = option("pretrain", "pretraining text ({\"text\"}), SFT conversations "
-                                                             "or DPO preference pairs")
+    kind: CachedKind = option("pretrain", "pretraining text ({\"text\"}), SFT conversations or DPO preference "
+                                          "pairs")
     # The SFT cache depends on the context; 512 is the default presets' (the trainer's --max_seq_len default).
     max_seq_len: int = option(512, "SFT and DPO: conversations longer than this are cut or dropped (pass the "
                                    "--max_seq_len you will train with)", at_least=1)

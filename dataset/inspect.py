@@ -24,6 +24,7 @@ from common.errors import PocketLMError
 from common.tokens import IGNORE_INDEX
 
 from .config import CacheConfig, CacheTarget, training_data
+from .kinds import CONVERSATIONS
 from .tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 
 OPEN, CLOSE = "⟦", "⟧"
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except PocketLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(show(tok, x, y, t.positions, tok.pad_id if t.kind == "sft" else None))
+    print(show(tok, x, y, t.positions, tok.pad_id if t.kind == CONVERSATIONS else None))
     return 0
 
 

@@ -18,6 +18,8 @@ from common.errors import DataError
 from common.files import write_atomic  # noqa: F401  (re-exported: the data stages write through it)
 from common.tokens import CHAT_ROLES
 
+from .kinds import RecordShape
+
 # A "line" longer than this is almost always a JSON array or a whole file on one line, not a record.
 DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
 
@@ -90,9 +92,9 @@ def iter_raw_lines(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTE
                 yield lineno, raw
 
 
-def parse_line(raw: bytes, kind: str) -> dict[str, Any]:
-    """Decode and validate one line as a record of `kind` ("text", "conversations", "dpo", "prompt", "any" of
-    the first two, or "object": any JSON object); raise ValueError."""
+def parse_line(raw: bytes, kind: RecordShape) -> dict[str, Any]:
+    """Decode and validate one line as a record of shape `kind` ("text", "conversations", "dpo", "prompt", "any"
+    of the first two, or "object": any JSON object; dataset/kinds.py); raise ValueError."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -246,7 +248,7 @@ def validate_prompt(record: dict[str, Any]) -> None:
     gold_answers(record.get("answer"))
 
 
-def read_records(path: str | Path, kind: str, skip_bad_lines: bool = False,
+def read_records(path: str | Path, kind: RecordShape, skip_bad_lines: bool = False,
                  report: SkipReport | None = None,
                  max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, validated record). Bad lines raise DataError, or are counted into `report`."""

@@ -20,6 +20,7 @@ from common.tokens import IGNORE_INDEX
 
 from .datasets import GlobalOrder, length_grouped_order, whole_batches
 from .jsonl import DataError
+from .kinds import PAIRS
 from .token_cache import TokenCache
 
 
@@ -32,8 +33,8 @@ class PreferenceDataset(GlobalOrder):
     def __init__(self, cache: TokenCache, split: str = "train", batch_size: int = 8, seed: int = 0,
                  pad_id: int = 0, group_size: int = 64) -> None:
         super().__init__(seed)
-        if cache.meta.get("kind") != "dpo":
-            raise DataError(f"{cache.path}: a {cache.meta.get('kind')!r} cache, not preference pairs (kind 'dpo')")
+        if cache.meta.get("kind") != PAIRS:
+            raise DataError(f"{cache.path}: a {cache.meta.get('kind')!r} cache, not preference pairs (kind {PAIRS!r})")
         self.tokens, self.flags = cache.tokens(split), cache.labels(split)
         self.offsets = np.asarray(cache.offsets(split), dtype=np.int64)
         self.segments = np.asarray(cache.segments(split), dtype=np.int64)  # (pairs, 3): prompt, chosen, rejected

@@ -21,6 +21,7 @@ from common.errors import DataError
 
 from .datasets import GlobalOrder
 from .jsonl import SkipReport, prompt_messages, read_records
+from .kinds import PROMPTS, RECORDS
 from .tokenizer import Tokenizer
 
 
@@ -35,7 +36,7 @@ class PromptDataset(GlobalOrder):
         self.report = report if report is not None else SkipReport()
         self.records: list[dict[str, Any]] = []
         self.prompts: list[list[int]] = []
-        for lineno, record in read_records(path, "prompt", skip_bad_lines, self.report):
+        for lineno, record in read_records(path, RECORDS[PROMPTS], skip_bad_lines, self.report):
             ids = tokenizer.chat_prompt(prompt_messages(record))
             if len(ids) > max_prompt_tokens:
                 self.report.reject(self.path, lineno, f"the prompt is {len(ids)} tokens, more than the "

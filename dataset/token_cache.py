@@ -45,6 +45,7 @@ import numpy as np
 from common.files import file_sha256
 
 from .jsonl import DEFAULT_MAX_LINE_BYTES, DataError, SkipReport, check_path, iter_raw_lines, parse_line, write_atomic
+from .kinds import CONVERSATIONS, PAIRS, RECORDS, TEXT, CachedKind
 from .tokenizer import Tokenizer
 
 CACHE_VERSION = 1
@@ -127,7 +128,7 @@ def encode_pretrain_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
     texts, linenos, errors = [], [], []
     for lineno, raw in lines:
         try:
-            texts.append(parse_line(raw, "text")["text"])
+            texts.append(parse_line(raw, RECORDS[TEXT])["text"])
             linenos.append(lineno)
         except ValueError as e:
             errors.append((lineno, str(e)))
@@ -146,7 +147,7 @@ def encode_sft_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
     stats = {"truncated": 0, "dropped_too_long": 0}
     for lineno, raw in lines:
         try:
-            conv = parse_line(raw, "conversations")["conversations"]
+            conv = parse_line(raw, RECORDS[CONVERSATIONS])["conversations"]
         except ValueError as e:
             errors.append((lineno, str(e)))
             continue
@@ -198,7 +199,7 @@ def encode_dpo_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
     stats = {"truncated": 0, "dropped_too_long": 0}
     for lineno, raw in lines:
         try:
-            record = parse_line(raw, "dpo")
+            record = parse_line(raw, RECORDS[PAIRS])
         except ValueError as e:
             errors.append((lineno, str(e)))
             continue
@@ -228,8 +229,8 @@ def encode_dpo_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
                    errors, stats, np.asarray(segments, dtype=np.int64).reshape(-1, 3))
 
 
-ENCODERS: dict[str, Callable[[list[tuple[int, bytes]]], Encoded]] = {
-    "pretrain": encode_pretrain_chunk, "sft": encode_sft_chunk, "dpo": encode_dpo_chunk}
+ENCODERS: dict[CachedKind, Callable[[list[tuple[int, bytes]]], Encoded]] = {
+    TEXT: encode_pretrain_chunk, CONVERSATIONS: encode_sft_chunk, PAIRS: encode_dpo_chunk}
 
 
 # ------------------------------------------------------------------------------ caches
@@ -308,7 +309,7 @@ def _load_if_valid(final: Path, source: Path, tokenizer: Tokenizer) -> TokenCach
     return TokenCache(final, meta)
 
 
-def prepare(data_path: str | Path, tokenizer: Tokenizer, kind: str = "pretrain", val_fraction: float = 0.0,
+def prepare(data_path: str | Path, tokenizer: Tokenizer, kind: CachedKind = TEXT, val_fraction: float = 0.0,
             seed: int = DEFAULT_SPLIT_SEED, num_workers: int | None = None, skip_bad_lines: bool = False,
             cache_dir: str | Path | None = None, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
             log: Callable[[str], None] = print, **settings: Any) -> TokenCache:
@@ -348,7 +349,7 @@ def prepare(data_path: str | Path, tokenizer: Tokenizer, kind: str = "pretrain",
     return cache
 
 
-def _build(source: Path, tokenizer: Tokenizer, kind: str, settings: dict[str, Any], final: Path,
+def _build(source: Path, tokenizer: Tokenizer, kind: CachedKind, settings: dict[str, Any], final: Path,
            num_workers: int | None, skip_bad_lines: bool, max_line_bytes: int,
            log: Callable[[str], None]) -> TokenCache:
     from tqdm import tqdm
@@ -356,7 +357,7 @@ def _build(source: Path, tokenizer: Tokenizer, kind: str, settings: dict[str, An
     t0 = time.time()
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
-    exts = {"pretrain": ("bin", "idx"), "sft": ("bin", "idx", "lbl"), "dpo": ("bin", "idx", "lbl", "seg")}[kind]
+    exts = {TEXT: ("bin", "idx"), CONVERSATIONS: ("bin", "idx", "lbl"), PAIRS: ("bin", "idx", "lbl", "seg")}[kind]
     files = {(s, e): open(tmp / f"{s}.{e}", "wb") for s in SPLITS for e in exts}
     offsets = {s: [np.zeros(1, dtype=np.uint64)] for s in SPLITS}
     totals = {s: 0 for s in SPLITS}

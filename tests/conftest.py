@@ -142,8 +142,8 @@ def train_through_an_empty_step(argv: list[str], monkeypatch) -> dict:
     return what a test checks: whether the weights and the optimizer state moved, and the run's records."""
     from common.tokens import IGNORE_INDEX
     from trainer_utils import loop
-    from trainer_utils.config import parse_train_config
     from trainer_utils.data import StepFeeder
+    from trainer_utils.stages import parse_train_config
 
     config = parse_train_config("pretrain", argv, "")
     session = loop.Session(config, "pretrain")

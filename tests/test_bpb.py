@@ -21,8 +21,8 @@ from model.inference import token_byte_lengths
 from trainer_utils import loop as loop_mod
 from trainer_utils import session as session_mod
 from trainer_utils.components.evaluation import Evaluation
-from trainer_utils.config import parse_train_config
 from trainer_utils.data import eval_batches
+from trainer_utils.stages import parse_train_config
 
 from conftest import ROOT, strict_records
 
@@ -119,10 +119,10 @@ def test_elapsed_s_is_training_time_without_evaluation(corpus, tmp_path, monkeyp
     checkpoint's training time."""
     real = Evaluation.run
 
-    def slow_at_step_4(self, trainer):
-        if trainer.state.step == 4:
+    def slow_at_step_4(self, ctx):
+        if ctx.state.step == 4:
             time.sleep(2)
-        real(self, trainer)
+        real(self, ctx)
 
     monkeypatch.setattr(Evaluation, "run", slow_at_step_4)
     t0 = time.perf_counter()

@@ -59,7 +59,7 @@ def test_compile_without_a_toolchain_is_one_clear_line(monkeypatch, tmp_path):
     import pytest
 
     from common.errors import ConfigError
-    from trainer_utils.config import parse_train_config
+    from trainer_utils.stages import parse_train_config
     assert parse_train_config("pretrain", ["--compile"], "").model.compile  # this machine has both
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="needs a C/C.. compiler"):
@@ -78,7 +78,7 @@ def test_the_model_is_compiled_after_the_backend_wraps_it(corpus, tmp_path, monk
 
     from trainer_utils import loop
     from trainer_utils.backend import TorchBackend
-    from trainer_utils.config import parse_train_config
+    from trainer_utils.stages import parse_train_config
 
     class Wrapper(torch.nn.Module):  # stands in for DDP, which needs a process group
         def __init__(self, module):

@@ -16,8 +16,8 @@ from test_readme import PAGES, rel, split_fences
 from common.config import read_config_file, settings
 from common.errors import ConfigError
 from dataset.config import CacheConfig
-from trainer_utils.config import TrainConfig, parse_train_config
-from trainer_utils.stages import STAGES
+from trainer_utils.config import TrainConfig
+from trainer_utils.stages import STAGES, parse_train_config
 
 from conftest import ROOT
 
@@ -29,7 +29,7 @@ NOT_RECIPES: dict[tuple[str, str], str] = {}
 # The order a block's stage is chosen in: the first stage that has every setting the block names.
 STAGE_ORDER = ("pretrain", "sft", "lora", "dpo", "grpo", "distill")
 # Settings that only `python -m dataset.cache` / `dataset.inspect` have: a block with one is a data config.
-DATA_ONLY = set(settings(CacheConfig)) - set(settings(TrainConfig))
+DATA_ONLY = set(settings(CacheConfig)).difference(*(settings(s.config_class) for s in STAGES.values()))
 GROUPS = {f.name for cls in (TrainConfig, CacheConfig) for f in dataclasses.fields(cls)}
 
 
@@ -66,9 +66,13 @@ def stage_of(text: str, raw: dict) -> str:
     header = RECIPE_HEADER.match(text)
     if header:
         return Path(header.group(1)).stem.rsplit("-", 1)[1]
-    flat, known = flat_settings(raw), settings(TrainConfig)
-    wanted = [set(known[n].meta["features"]) for n in flat if n in known and known[n].meta["features"]]
-    fits = [s for s in STAGE_ORDER if all(not STAGES[s].features.isdisjoint(f) for f in wanted)]
+    flat = flat_settings(raw)
+
+    def has(stage: str, name: str) -> bool:
+        known = settings(STAGES[stage].config_class)
+        return name in known and known[name].applies_to(STAGES[stage])
+
+    fits = [s for s in STAGE_ORDER if all(has(s, n) for n in flat)]
     data = flat.get("data_path") or []
     chat = "init_from" in flat or any("sft" in str(p) for p in (data if isinstance(data, list) else [data]))
     if chat:
@@ -96,8 +100,9 @@ def check_block(text: str, path: Path) -> str:
     if header:
         recipe = ROOT / header.group(1)
         assert recipe.is_file(), f"the block quotes {header.group(1)}, which does not exist"
-        quoted = read_config_file(TrainConfig, path, STAGES[stage])
-        assert quoted == read_config_file(TrainConfig, recipe, STAGES[stage]), (
+        config_class = STAGES[stage].config_class
+        quoted = read_config_file(config_class, path, STAGES[stage])
+        assert quoted == read_config_file(config_class, recipe, STAGES[stage]), (
             f"the block differs from {header.group(1)}")
     return f"{stage} config"
 

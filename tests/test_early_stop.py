@@ -26,9 +26,9 @@ def scripted_val_losses(monkeypatch, values: list[float]) -> None:
     it = iter(values)
     last = [values[-1]]
 
-    def evaluate(self, trainer):
+    def evaluate(self, ctx):
         last[0] = next(it, last[0])
-        return {trainer.session.val_sets[0].name: {"loss": last[0]}}
+        return {ctx.val_sets[0].name: {"loss": last[0]}}
 
     monkeypatch.setattr(Evaluation, "evaluate", evaluate)
 
@@ -59,8 +59,8 @@ def test_patience_stops_keeps_the_best_checkpoint_and_exits_0(corpus, tmp_path, 
 def test_overfit_gap_stops_when_validation_drifts_above_training(corpus, tmp_path, monkeypatch, capsys):
     losses = iter([])
 
-    def val_above_train(self, trainer):
-        return {trainer.session.val_sets[0].name: {"loss": (trainer.train_loss or 9.0) + next(losses, 1.0)}}
+    def val_above_train(self, ctx):
+        return {ctx.val_sets[0].name: {"loss": (ctx.train_loss or 9.0) + next(losses, 1.0)}}
 
     losses = iter([0.1, 0.2, 0.8])  # gaps at steps 2, 4, 6
     monkeypatch.setattr(Evaluation, "evaluate", val_above_train)

@@ -136,8 +136,8 @@ def test_bad_prompts_and_settings_stop_with_a_message(prompts, tmp_path, sft, ca
     (tmp_path / "nan.py").write_text("def f(completion, record):\n    return float('nan')\n")
     assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, "nan", max_steps=1, reward=f"{tmp_path}/nan.py:f")) == 2
     assert "returned nan; a reward is a finite number" in capsys.readouterr().err
-    # --beta is DPO's too, where 0 would mean no preference at all
+    # DPO has a --beta of its own, where 0 would mean no preference at all
     pairs = ROOT / "dataset/demo/dpo_demo.jsonl"
     assert train_dpo.main(grpo_flags(prompts, tmp_path, sft, "dpo", data_path=pairs, beta=0, max_steps=1,
                                      num_generations=None, max_completion_tokens=None)) == 2
-    assert "--beta must be > 0 for DPO" in capsys.readouterr().err
+    assert "--beta must be > 0, got 0" in capsys.readouterr().err

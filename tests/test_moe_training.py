@@ -16,8 +16,8 @@ from common.errors import ConfigError
 from model import load_model
 from model.config import config_from_flags
 from trainer_utils import loop as loop_mod
-from trainer_utils.config import parse_train_config
 from trainer_utils.routing import RouterBalance
+from trainer_utils.stages import parse_train_config
 
 from conftest import ROOT, read_metrics, train_through_an_empty_step
 

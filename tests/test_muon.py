@@ -14,9 +14,9 @@ from test_train import flags, weights
 import train_pretrain
 from common.errors import ConfigError
 from model import PocketLM
-from trainer_utils.config import parse_train_config
 from trainer_utils.muon import NS_COEFFICIENTS, Muon, newton_schulz
 from trainer_utils.optim import MuonWithAdamW, WarmupCosine, build_optimizer
+from trainer_utils.stages import parse_train_config
 
 from conftest import ROOT, fake_cpu, read_metrics, tiny_config
 

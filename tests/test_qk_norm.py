@@ -13,7 +13,8 @@ from model import ConfigError, ModelConfig, PocketLM, get_preset, load_model, sa
 from model.config import architecture, config_from_flags, model_name
 from model.model import KVCache
 from model.stats import attention_probs
-from trainer_utils.config import NEW_MODEL_FLAGS, ModelOptions, parse_train_config
+from trainer_utils.config import NEW_MODEL_FLAGS, ModelOptions
+from trainer_utils.stages import parse_train_config
 
 from conftest import tiny_config
 

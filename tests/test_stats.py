@@ -12,9 +12,9 @@ import train_full_sft
 import train_pretrain
 from model import PocketLM, load_model
 from model.stats import attention_probs, layer_stats
-from trainer_utils.config import parse_train_config
 from trainer_utils.data import eval_batches
 from trainer_utils.session import Session
+from trainer_utils.stages import parse_train_config
 
 from conftest import strict_records, tiny_config
 

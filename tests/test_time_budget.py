@@ -18,8 +18,8 @@ from trainer_utils import loop as loop_mod
 from trainer_utils import metrics as metrics_mod
 from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
 from trainer_utils.checkpoint import latest_checkpoint
-from trainer_utils.config import parse_train_config
 from trainer_utils.optim import WarmupCosine
+from trainer_utils.stages import parse_train_config
 
 from conftest import ROOT, read_metrics, strict_records
 

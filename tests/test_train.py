@@ -17,9 +17,9 @@ from model import PocketLM, load_model
 from trainer_utils import checkpoint as ckpt_mod
 from trainer_utils import loop as loop_mod
 from trainer_utils.components.log import TrainLog
-from trainer_utils.config import parse_train_config
 from trainer_utils.metrics import flops_per_token, peak_flops
 from trainer_utils.optim import WarmupCosine
+from trainer_utils.stages import parse_train_config
 
 from conftest import (
     ROOT,

@@ -1,7 +1,8 @@
 """The training configuration: typed groups (data, model, optimization, precision/devices, output/logging,
 evaluation) that every training script shares, with MiniMind's flag names. Stages (trainer_utils/stages) differ
-in their defaults and in the optional settings they have (a setting's `feature`: adapters for LoRA, preference
-for DPO, teacher for distillation, conversations for chat data).
+in their defaults, in the shared settings they have (a setting's `feature`: adapters for LoRA, conversations for
+chat data), and in their own settings, the `objective` group, which each stage declares itself
+(train_config_class: DPO's --beta, distillation's --teacher, GRPO's --num_generations, ...).
 
     python train_pretrain.py --config recipes/minimind-26m-pretrain.yaml --max_steps 100
 
@@ -11,12 +12,13 @@ Session adds the ones that need the device or the checkpoint being loaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from common.config import option, parse_config
+from common.config import option
 from common.errors import ConfigError
 from common.files import require_package
 from dataset.config import DataConfig
@@ -24,9 +26,7 @@ from model.config import get_preset, model_flags, switches
 from model.inference import DeviceConfig
 
 from .budget import parse_duration
-from .objectives import POLICY_LOSSES
 from .runtime import compile_toolchain_problem
-from .stages import Stage, get_stage
 
 # the flags that describe a new model: refused with --init_from, whose weights bring their own
 NEW_MODEL_FLAGS = ("preset", *switches("shape", "architecture", "init"))
@@ -180,43 +180,11 @@ class LoraOptions:
 
 
 @dataclass
-class ObjectiveOptions:
-    """What post-training optimises: DPO's preference loss, distillation from a teacher, or reinforcement learning
-    on sampled completions with checked rewards (GRPO / CISPO)."""
+class NoOptions:
+    """The `objective` group of a stage that has no settings of its own (pretraining, SFT, LoRA). A stage that has
+    some declares them as a dataclass of its own (Stage.options): see train_config_class."""
 
     title: ClassVar[str] = "objective"
-    beta: float = option(0.1, "DPO: how strongly the policy is held to the reference (larger: closer); GRPO: "
-                              "weight of the KL to the --init_from model (0: no reference model is kept)",
-                         at_least=0, feature=("preference", "reinforcement"))
-    label_smoothing: float = option(0.0, "DPO: share of preference labels assumed wrong (conservative DPO)",
-                                    at_least=0, below=0.5, feature="preference")
-    teacher: str | None = option(None, "distillation: the teacher's run, checkpoint or model dir (required; same "
-                                       "tokenizer, any size)", metavar="DIR", feature="teacher")
-    alpha: float = option(0.5, "distillation: weight of the labels' cross-entropy; the teacher's KL gets 1 - alpha",
-                          at_least=0, at_most=1, feature="teacher")
-    temperature: float = option(1.5, "distillation: softmax temperature of teacher and student (KL scaled by "
-                                     "T^2); GRPO: the temperature completions are sampled (and trained) at",
-                                above=0, feature=("teacher", "reinforcement"))
-    num_generations: int = option(8, "GRPO: completions sampled per prompt (a group; advantages compare them)",
-                                  at_least=2, feature="reinforcement")
-    max_completion_tokens: int = option(64, "GRPO: tokens a completion may have (one cut off there is "
-                                            "'truncated'); prompts get --max_seq_len minus this", at_least=1,
-                                        feature="reinforcement")
-    reward: str = option("exact,format=0.1", "GRPO: the reward, weighted terms: exact (the record's answer), "
-                                             "format (the answer stated as taught), length, FILE.py:FUNCTION, "
-                                             "a reward model's directory (trainer_utils/rewards.py)",
-                         metavar="SPEC", feature="reinforcement")
-    scale_rewards: bool = option(True, "GRPO: divide each group's centred rewards by their standard deviation "
-                                       "(--no-scale_rewards: Dr. GRPO's unscaled advantages)",
-                                 feature="reinforcement")
-    loss_type: str = option(
-        POLICY_LOSSES[0], "GRPO: the policy loss: grpo, PPO's clipped ratio; cispo, a clipped stop-gradient weight "
-                          "on every token (trainer_utils/objectives.py PolicyGradient)", choices=POLICY_LOSSES,
-        feature="reinforcement")
-    epsilon: float = option(0.2, "GRPO: the ratio's lower clip, 1 - epsilon", at_least=0, below=1,
-                            feature="reinforcement")
-    epsilon_high: float = option(0.2, "GRPO and CISPO: the ratio's upper clip, 1 + epsilon_high", above=0,
-                                 feature="reinforcement")
 
 
 @dataclass
@@ -230,10 +198,12 @@ class TrainConfig:
     run: RunConfig
     eval: EvalOptions
     lora: LoraOptions
-    objective: ObjectiveOptions
+    objective: NoOptions  # the stage's own settings (Stage.options): train_config_class
 
     def check(self) -> None:
         """Cross-setting checks that need nothing slow (no data, model or device), so they fail at once."""
+        if hasattr(self.objective, "check"):  # the stage's own options check themselves
+            self.objective.check()
         if self.optim.optimizer == "auto":  # pretraining's default: Muon where it can run
             self.optim.optimizer = "adamw" if self.precision.deepspeed is not None else "muon"
         if self.optim.time_budget is not None:
@@ -276,9 +246,12 @@ class TrainConfig:
             require_package("tensorboard", "--use_tensorboard")
 
 
-def parse_train_config(stage: Stage | str, argv: list[str] | None, description: str | None) -> TrainConfig:
-    """The checked TrainConfig of a training stage's command line (and --config file), with its defaults."""
-    stage = get_stage(stage)
-    config = parse_config(TrainConfig, argv, description, stage, stage.defaults)
-    stage.check(config)
-    return config
+@functools.cache
+def train_config_class(options: type) -> type[TrainConfig]:
+    """TrainConfig with a stage's own options as its `objective` group. The group keeps its name whatever the
+    stage, so the flags, a recipe's `objective:` section and train_config.json read as they always have, and each
+    script parses (and --help shows) only its own stage's settings."""
+    if options is NoOptions:
+        return TrainConfig
+    return dataclasses.make_dataclass(f"TrainConfig[{options.__name__}]", [("objective", options)],
+                                      bases=(TrainConfig,))

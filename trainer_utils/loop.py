@@ -20,7 +20,6 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,8 +46,9 @@ from .budget import (
     process_age,
 )
 from .checkpoint import load_training_state, new_staging_dir, save_checkpoint, staging_dir
-from .components import COMPONENTS, StepOutcome, Stop, every
-from .config import TrainConfig, parse_train_config
+from .components import COMPONENTS
+from .config import TrainConfig
+from .context import RunContext, StepBatches, StepOutcome, Stop, TrainState, every
 from .data import StepFeeder
 from .metrics import MetricsLogger, TrainClock
 from .objectives import Batch, Objective
@@ -56,32 +56,45 @@ from .optim import WarmupCosine, build_optimizer
 from .routing import RouterBalance
 from .runtime import StopSignal, rng_state, seed_everything, set_rng_state
 from .session import Session
-from .stages import Stage, StepBatches
+from .stages import Stage, parse_train_config
 
 OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and more --accumulation_steps "
             "(same effective batch), --grad_checkpointing, or a shorter --max_seq_len. The last checkpoint "
             "is intact.")
 
 
-@dataclass
-class TrainState:
-    """Where training is: saved in every checkpoint as a whole, restored on resume."""
+class OnContext:
+    """A Trainer attribute that lives on its RunContext, so the loop, the stage and the components share one value
+    (the loop replaces `state` on resume and `logger` when fit() starts; components write the losses)."""
 
-    step: int = 0
-    cursor: int = 0  # samples taken from the global training order
-    tokens_seen: int = 0  # valid targets trained on
-    skipped: int = 0  # steps not applied (non-finite gradients); the count goes on across resumes
-    train_time_s: float = 0.0  # training seconds, without pauses to evaluate and checkpoint; elapsed_s goes on
+    def __init__(self, field: str | None = None) -> None:
+        self.field = field
 
-    @classmethod
-    def from_checkpoint(cls, state: dict[str, Any]) -> TrainState:
-        return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls) if f.name in state})
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = self.field or name
+
+    def __get__(self, trainer: Trainer | None, owner: type | None = None) -> Any:
+        return self if trainer is None else getattr(trainer.ctx, self.field)
+
+    def __set__(self, trainer: Trainer, value: Any) -> None:
+        setattr(trainer.ctx, self.field, value)
 
 
 class Trainer:
     """Runs optimizer steps until max_steps, a stop signal, or a component's Stop (early stopping; non-finite
     trouble, which ends it with `fallback` set when the run should continue in a wider precision). It owns the
-    step, the backend, the model, optimizer and schedule; the components read its public attributes."""
+    step, the backend, the model, optimizer and schedule. The stage's hooks and the components see the run through
+    its RunContext (trainer_utils/context.py), and ask the loop for a checkpoint or a re-plan through it."""
+
+    state = OnContext()
+    logger = OnContext()
+    clock = OnContext()
+    run_dir = OnContext("checkpoint_dir")  # where checkpoints go (a scratch directory while the budget probe runs)
+    stage_state = OnContext()  # what the stage's prepare() returned
+    val_loss = OnContext()  # of the last evaluation (the evaluation component writes it)
+    train_loss = OnContext()  # of the last logged window (the log component writes it)
+    grad_norm = OnContext()
+    bad_in_a_row = OnContext()
 
     def __init__(self, session: Session, plan: BudgetPlan | None = None, budget_clock: BudgetClock | None = None
                  ) -> None:
@@ -89,7 +102,6 @@ class Trainer:
         self.session, self.config, self.backend = s, c, s.backend
         # a --time_budget run's decision and the clock it is held to (trainer_utils/budget.py); None: steps as given
         self.plan, self.budget_clock = plan, budget_clock
-        self.run_dir = s.run_dir  # where checkpoints go (a scratch directory while the budget probe runs)
         self.device, self.precision = s.backend.device, s.backend.precision
         o = c.optim
         seed_everything(o.seed)
@@ -110,29 +122,32 @@ class Trainer:
         self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, planned)
         for r in plan.replans if plan is not None else ():  # a resumed budget run's, as they were made
             self.scheduler.replan(r["step"], r["steps"])
-        self.objective: Objective = s.objective(self.device)
-        self.stage_state = s.stage.prepare(self)  # what the stage's hooks keep for this run
-        # the parameter through which an empty step's gradients are made NaN (see train_step)
-        self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
+        self.objective: Objective = s.objective()
         # a mixture of experts: its routers' balancing losses and load statistics (trainer_utils/routing.py)
         self.router = RouterBalance(self.model.config, self.backend, self.device) if self.model.config.moe else None
+        self.ctx = RunContext(
+            config=c, options=c.objective, control=self, device=self.device, precision=self.precision,
+            backend=self.backend, model=self.model, optimizer=self.optimizer, objective=self.objective,
+            router=self.router, tokenizer=s.tokenizer, max_seq_len=s.max_seq_len, kind=s.kind, chat=s.chat,
+            train_data=s.train_data, val_sets=s.val_sets, data_sources=s.data.sources, token_bytes=s.token_bytes,
+            init_dir=s.init_dir, run_dir=s.run_dir, adapters=s.lora is not None, eval_tasks=s.eval_tasks,
+            samples=s.samples, probes=s.probes, metric_unit=s.stage.metric_unit, memory_rows=s.stage.memory_rows,
+            estimates_memory=s.stage.estimates_memory, plan=plan, budget_clock=budget_clock, state=TrainState(),
+            clock=TrainClock(self.device), checkpoint_dir=s.run_dir)
+        self.stage_state = s.stage.prepare(self.ctx)  # what the stage's hooks keep for this run
+        # the parameter through which an empty step's gradients are made NaN (see train_step)
+        self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
         # compiled after wrapping, as PyTorch recommends: dynamo then splits the graph at DDP's bucket boundaries,
         # so gradient all-reduces overlap the backward (a compiled module inside DDP reduces only at the end)
         self.forward_model = torch.compile(self.wrapped) if c.model.compile else self.wrapped
 
-        self.state = TrainState()
-        self.val_loss: float | None = None  # of the last evaluation (the evaluation component writes it)
-        self.train_loss: float | None = None  # of the last logged window (the log component writes it)
-        self.bad_in_a_row, self.grad_norm = 0, 0.0
         self.last_saved = -1
         self.fallback: dict[str, Any] | None = None  # set when fit() ends for a precision fallback
         # Running totals live on the device and are read once per log interval (no host sync per step).
         zero = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
         self.counters = {"tokens_seen": zero(), "skipped": zero(), "bad_in_a_row": zero(), "grad_norm": zero()}
         self.step_metrics: dict[str, torch.Tensor] = {}
-        self.logger: MetricsLogger | None = None
-        self.clock = TrainClock(self.device)
-        self.components = [component(self) for component in COMPONENTS]
+        self.components = [component(self.ctx) for component in COMPONENTS]
         if s.resume_from is not None:  # after wrap: a DeepSpeed engine restores into itself
             self._restore(s.resume_from)
 
@@ -162,6 +177,11 @@ class Trainer:
     def total_steps(self) -> int:
         """The step training ends at: the schedule's end (a time budget's re-plan moves it)."""
         return self.scheduler.end
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the step just taken."""
+        return self.scheduler.lr
 
     def replan(self, end: int) -> None:
         """End training at step `end` instead, the rest of the schedule laid over the steps up to it."""
@@ -259,13 +279,13 @@ class Trainer:
         self.model.train()
         self.clock = TrainClock(self.device, self.state.train_time_s)
         for component in self.components:
-            component.start(self)
+            component.start(self.ctx)
         try:
             with StopSignal() as signal:
                 while self.state.step < self.total_steps and not self._stop_requested(signal):
                     step = lambda: self._optimizer_step(feeder)  # noqa: E731
                     for component in self.components:
-                        step = component.wrap_step(self, step)
+                        step = component.wrap_step(self.ctx, step)
                     step()
                     stop = self._after_step()
                     if stop is not None:
@@ -295,7 +315,7 @@ class Trainer:
         for component in self.components:
             if component.due(step, last):
                 with self.clock.pause() if component.pauses_clock else contextlib.nullcontext():
-                    stop = component.run(self)
+                    stop = component.run(self.ctx)
                 if stop is not None:
                     break
         if stop.save if stop is not None else every(self.config.run.save_interval, step, last):
@@ -323,7 +343,7 @@ class Trainer:
         t_wait = time.perf_counter()
         micro, n_input = feeder.next_step()
         wait = time.perf_counter() - t_wait
-        prepared = self.session.stage.before_loss(self, StepBatches(micro, n_input))
+        prepared = self.session.stage.before_loss(self.ctx, StepBatches(micro, n_input))
         micro, n_input = prepared.micro, prepared.input_tokens
         n_local = sum(self.objective.count(batch) for batch in micro).double()
         # the valid targets of the whole step, over all ranks, normalise the loss (and its input tokens, the
@@ -351,7 +371,7 @@ class Trainer:
         c["grad_norm"] = grad_norm.double()
         outcome = StepOutcome(loss_sum, {**self.step_metrics, **prepared.metrics}, applied, n_local, n_input, wait)
         for component in self.components:
-            component.after_step(self, outcome)
+            component.after_step(self.ctx, outcome)
 
     def probe(self, budget_s: float) -> Costs:
         """What this run's steps, evaluations and checkpoints cost, measured as fit() takes them, for a time
@@ -384,7 +404,7 @@ class Trainer:
             if self.config.run.checkpoints:
                 save_s = timed(self.save)
             step = self.state.step  # an evaluation round as the last step has it: every component then due
-            eval_s = timed(lambda: [c.run(self) for c in self.components if c.pauses_clock and c.due(step, step)])
+            eval_s = timed(lambda: [c.run(self.ctx) for c in self.components if c.pauses_clock and c.due(step, step)])
         finally:
             backend.barrier()
             if backend.is_main:

@@ -17,7 +17,8 @@ import torch
 from common.device import DTYPES, choose_dtype, dtype_name
 from common.errors import CheckpointError, ConfigError, TokenizerError
 from common.files import shipped_path
-from dataset.config import TEXT, training_data
+from dataset.config import training_data
+from dataset.kinds import TEXT
 from dataset.tasks import load_tasks
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
 from model import ModelConfig, PocketLM
@@ -31,6 +32,7 @@ from model.probes import read_probe_file, read_prompt_file
 from .backend import Backend
 from .checkpoint import latest_checkpoint
 from .config import NEW_MODEL_FLAGS, ModelOptions, TrainConfig
+from .context import SetupContext
 from .distributed import detect_env, device_for, make_backend
 from .objectives import Objective
 from .runtime import Precision, seed_everything, wider_dtype
@@ -106,7 +108,7 @@ class Session:
         if self.max_seq_len > self.model_config.max_position_embeddings:
             raise ConfigError(f"--max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                               f"({self.model_config.max_position_embeddings})")
-        self.stage.check_session(self)
+        self.stage.check_session(self.setup_context())
         self.lora, self.base_ref = self._lora()
         # Every rank checks (before any collective exists, so all stop together); only rank 0 deletes.
         if not run.resume and (self.run_dir / "latest").exists():
@@ -117,18 +119,23 @@ class Session:
                 shutil.rmtree(self.run_dir)
         self.kind = self.stage.data_kind(config.data)
         self.chat = self.kind != TEXT  # samples, probes and the saved checkpoints use the chat template
-        self.data = training_data(config.data, self.tokenizer, self.kind, self.stage.record_tokens(self),
-                                  config.optim.batch_size, config.optim.seed,
-                                  log=lambda msg: print(msg, file=sys.stderr))
+        record_tokens = self.stage.record_tokens(self.setup_context())
+        self.data = training_data(config.data, self.tokenizer, self.kind, record_tokens, config.optim.batch_size,
+                                  config.optim.seed, log=lambda msg: print(msg, file=sys.stderr))
         self.train_data, self.val_sets = self.data.train, self.data.val
         if config.eval.early_stopping and not self.val_sets:
             raise ConfigError(f"{' '.join(config.data.data_path)}: no validation documents at --val_fraction "
                               f"{config.data.val_fraction}; early stopping needs some (raise --val_fraction)")
         self.backend: Backend = make_backend(config, self.env, self.device, self.precision)
 
-    def objective(self, device: torch.device) -> Objective:
+    def setup_context(self) -> SetupContext:
+        """What the stage's setup hooks see of this session (trainer_utils/context.py)."""
+        return SetupContext(self.config.objective, self.tokenizer, self.max_seq_len, self.init_dir, self.resume_from,
+                            self.device)
+
+    def objective(self) -> Objective:
         """What this stage minimises, with its frozen helpers on the device."""
-        return self.stage.objective(self, device)
+        return self.stage.objective(self.setup_context())
 
     def _resume_precision(self) -> None:
         """A resumed run keeps the precision it fell back to: a requeued job repeating the original command

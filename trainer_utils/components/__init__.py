@@ -5,7 +5,8 @@ evaluations the validation loss, the downstream tasks, layer statistics, samples
 (which reads the validation loss); the memory check wraps the one step it measures."""
 from __future__ import annotations
 
-from .base import Component, StepOutcome, Stop, every
+from ..context import StepOutcome, Stop, every
+from .base import Component
 from .budget import TimeBudgetGuard
 from .downstream import DownstreamEval
 from .early_stop import EarlyStopping

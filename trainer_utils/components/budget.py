@@ -7,34 +7,32 @@ the plan itself, which every checkpoint carries (loop.py Trainer.save) and a res
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..budget import PLAN_KEY, format_duration, projected, replan
-from .base import Component, StepOutcome
-
-if TYPE_CHECKING:
-    from ..loop import Trainer
+from ..context import RunContext, StepOutcome
+from .base import Component
 
 WINDOW_SHARE = 0.05  # the recent step time is measured over about this share of the budget
 SLOWER = 1.25  # a recent step time this much above the run's is a slow-down, not the data's noise
 
 
 class TimeBudgetGuard(Component):
-    def __init__(self, trainer: Trainer) -> None:
-        self.plan, self.clock = trainer.plan, trainer.budget_clock
+    def __init__(self, ctx: RunContext) -> None:
+        self.plan, self.clock = ctx.plan, ctx.budget_clock
         self.marks: list[tuple[float, int]] = []  # (training seconds, step) after the first step and at each check
 
     def describe(self) -> dict[str, Any]:
         return {} if self.plan is None else {PLAN_KEY: self.plan.to_dict()}
 
-    def start(self, trainer: Trainer) -> None:
+    def start(self, ctx: RunContext) -> None:
         self.marks.clear()
 
-    def after_step(self, trainer: Trainer, outcome: StepOutcome) -> None:
+    def after_step(self, ctx: RunContext, outcome: StepOutcome) -> None:
         if self.plan is not None and not self.marks:  # measured from after the first step: it warms up
-            self.marks.append((trainer.clock.elapsed(), trainer.state.step))
+            self.marks.append((ctx.clock.elapsed(), ctx.state.step))
 
     def due(self, step: int, last: int) -> bool:
         return (self.plan is not None and bool(self.marks) and step > self.marks[-1][1] and step < last
@@ -44,22 +42,22 @@ class TimeBudgetGuard(Component):
         """The newest mark at least `seconds` of training back (or the oldest there is)."""
         return next((m for m in reversed(self.marks) if now - m[0] >= seconds), self.marks[0])
 
-    def run(self, trainer: Trainer) -> None:
+    def run(self, ctx: RunContext) -> None:
         """Two step times: the run's since its first step, which keeps the run within [LOW, HIGH] (a chat batch's
         step varies with its longest conversation, and batches grouped by length make whole stretches of the run
         faster or slower: only the run's own average is steady), and a recent one over WINDOW_SHARE of the budget.
         When the recent one is SLOWER than the run's and would overrun the budget, the machine has slowed down:
         it plans at once. A longer run needs both to agree there is time (else the two would take turns)."""
-        plan, step, now = self.plan, trainer.state.step, trainer.clock.elapsed()
+        plan, step, now = self.plan, ctx.state.step, ctx.clock.elapsed()
         window = WINDOW_SHARE * plan.budget_s
         measured = now - self.marks[0][0]
         steady_s, recent_s = ((now - t) / (step - s) for t, s in (self.marks[0], self.since(now, window)))
         spent = self.clock.spent()
         self.marks.append((now, step))
-        if trainer.backend.world_size > 1:  # one decision: every rank's numbers averaged
-            mine = torch.tensor([steady_s, recent_s, spent, measured], device=trainer.device, dtype=torch.float64)
-            steady_s, recent_s, spent, measured = (trainer.backend.all_reduce_sum(mine)
-                                                   / trainer.backend.world_size).tolist()
+        if ctx.backend.world_size > 1:  # one decision: every rank's numbers averaged
+            mine = torch.tensor([steady_s, recent_s, spent, measured], device=ctx.device, dtype=torch.float64)
+            steady_s, recent_s, spent, measured = (ctx.backend.all_reduce_sum(mine)
+                                                   / ctx.backend.world_size).tolist()
         cautious = max(steady_s, recent_s)
         if recent_s > SLOWER * steady_s and projected(plan, step, spent, recent_s) > plan.budget_s:
             step_s = cautious  # a slow-down: act now
@@ -78,9 +76,9 @@ class TimeBudgetGuard(Component):
         why = (f"steps take {step_s:.3g} s (planned {plan.step_s:.3g} s) with {format_duration(spent)} of "
                f"{format_duration(plan.budget_s)} spent")
         plan.replans.append({"step": step, "steps": end, "step_s": round(step_s, 6), "spent_s": round(spent, 3)})
-        trainer.replan(end)
-        trainer.logger.log({"step": step, "event": "time_budget", "planned_steps": before, "steps": end,
+        ctx.control.replan(end)
+        ctx.logger.log({"step": step, "event": "time_budget", "planned_steps": before, "steps": end,
                             "step_time_s": round(step_s, 6), "spent_s": round(spent, 3)})
         what = (f"ending at step {end} instead of {before}, the learning-rate decay completing there" if end > step
                 else f"stopping now, at step {step} of {before}")
-        trainer.logger.message(f"time budget: {why}: {what}")
+        ctx.logger.message(f"time budget: {why}: {what}")

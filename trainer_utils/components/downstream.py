@@ -7,25 +7,23 @@ are added up, so several ranks log what one process would (and no rank runs a fo
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from model.scoring import TaskTotals, centred_average, task_totals
 
-from .base import Component, every
-
-if TYPE_CHECKING:
-    from ..loop import Trainer
+from ..context import RunContext, every
+from .base import Component
 
 
 class DownstreamEval(Component):
     pauses_clock = True
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.tasks = trainer.session.eval_tasks
-        self.interval = trainer.config.eval.eval_interval
-        self.batch_size = trainer.config.optim.batch_size
+    def __init__(self, ctx: RunContext) -> None:
+        self.tasks = ctx.eval_tasks
+        self.interval = ctx.config.eval.eval_interval
+        self.batch_size = ctx.config.optim.batch_size
 
     def describe(self) -> dict[str, Any]:
         if not self.tasks:
@@ -43,14 +41,14 @@ class DownstreamEval(Component):
         return bool(self.tasks) and every(self.interval, step, last)
 
     @torch.no_grad()
-    def run(self, trainer: Trainer) -> None:
-        rank, world, tok = trainer.backend.rank, trainer.backend.world_size, trainer.session.tokenizer
-        totals = [task_totals(trainer.model, task.kind, task.items[rank::world], tok, self.batch_size,
-                              trainer.precision.autocast) for task in self.tasks]
-        sums = torch.tensor([v for t in totals for v in t.as_list()], dtype=torch.float64, device=trainer.device)
-        sums = trainer.backend.all_reduce_sum(sums).view(len(self.tasks), -1).tolist()
+    def run(self, ctx: RunContext) -> None:
+        rank, world, tok = ctx.backend.rank, ctx.backend.world_size, ctx.tokenizer
+        totals = [task_totals(ctx.model, task.kind, task.items[rank::world], tok, self.batch_size,
+                              ctx.precision.autocast) for task in self.tasks]
+        sums = torch.tensor([v for t in totals for v in t.as_list()], dtype=torch.float64, device=ctx.device)
+        sums = ctx.backend.all_reduce_sum(sums).view(len(self.tasks), -1).tolist()
         scores = [TaskTotals.from_list(task.kind, row).score(task.name) for task, row in zip(self.tasks, sums)]
-        step = trainer.state.step
+        step = ctx.state.step
         record: dict[str, Any] = {"step": step}
         for s in scores:
             values = {"acc": s.acc, "acc_norm": s.acc_norm, "centred": s.centred, "bpb": s.bpb, "stated": s.stated,
@@ -60,8 +58,8 @@ class DownstreamEval(Component):
         average = centred_average(scores)
         if average is not None:
             record["tasks_centred"] = round(average, 5)
-        trainer.logger.log(record)
+        ctx.logger.log(record)
         shown = ", ".join(f"{s.name} {s.acc:.3f}" if s.acc is not None else f"{s.name} {s.bpb:.3f} bpb"
                           for s in scores)
-        trainer.logger.message(f"step {step} tasks: {shown}" + (f"; centred average {average:.4f}"
+        ctx.logger.message(f"step {step} tasks: {shown}" + (f"; centred average {average:.4f}"
                                                                if average is not None else ""))

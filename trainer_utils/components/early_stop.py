@@ -5,23 +5,21 @@ component; its memory (best loss and step, evaluations since) is checkpointed, s
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.files import BEST_NAME
 
 from ..checkpoint import checkpoint_dir, mark_best
-from .base import Component, Stop, every
-
-if TYPE_CHECKING:
-    from ..loop import Trainer
+from ..context import RunContext, Stop, every
+from .base import Component
 
 
 class EarlyStopping(Component):
     name = "early_stop"
     pauses_clock = True
 
-    def __init__(self, trainer: Trainer) -> None:
-        ev = trainer.config.eval
+    def __init__(self, ctx: RunContext) -> None:
+        ev = ctx.config.eval
         self.interval, self.on = ev.eval_interval, ev.early_stopping
         self.patience, self.overfit_gap = ev.early_stop_patience, ev.overfit_gap
         self.best: dict[str, Any] = {"val_loss": None, "step": None, "evals_since": 0}
@@ -35,30 +33,30 @@ class EarlyStopping(Component):
     def due(self, step: int, last: int) -> bool:
         return self.on and every(self.interval, step, last)
 
-    def run(self, trainer: Trainer) -> Stop | None:
-        val_loss, b, step = trainer.val_loss, self.best, trainer.state.step
+    def run(self, ctx: RunContext) -> Stop | None:
+        val_loss, b, step = ctx.val_loss, self.best, ctx.state.step
         if val_loss is None:
             return None
         if b["val_loss"] is None or val_loss < b["val_loss"]:
             b.update(val_loss=val_loss, step=step, evals_since=0)
-            trainer.save()  # a no-op when this step is already saved
-            if trainer.backend.is_main:
-                mark_best(trainer.run_dir, checkpoint_dir(trainer.run_dir, step))
+            ctx.control.save()  # a no-op when this step is already saved
+            if ctx.backend.is_main:
+                mark_best(ctx.checkpoint_dir, checkpoint_dir(ctx.checkpoint_dir, step))
         else:
             b["evals_since"] += 1
         reason = None
         if self.patience is not None and b["evals_since"] >= self.patience:
             reason = (f"the validation loss has not improved for {b['evals_since']} evaluations "
                       f"(--early_stop_patience {self.patience})")
-        gap = None if trainer.train_loss is None else val_loss - trainer.train_loss
+        gap = None if ctx.train_loss is None else val_loss - ctx.train_loss
         if reason is None and self.overfit_gap is not None and gap is not None and gap > self.overfit_gap:
-            reason = (f"the validation loss {val_loss:.4f} exceeds the training loss {trainer.train_loss:.4f} by "
+            reason = (f"the validation loss {val_loss:.4f} exceeds the training loss {ctx.train_loss:.4f} by "
                       f"{gap:.4f} (--overfit_gap {self.overfit_gap})")
-        return None if reason is None else Stop(reason, save=True, announce=lambda: self.report(trainer, reason))
+        return None if reason is None else Stop(reason, save=True, announce=lambda: self.report(ctx, reason))
 
-    def report(self, trainer: Trainer, reason: str) -> None:
-        b, step, run_dir = self.best, trainer.state.step, trainer.session.run_dir
-        trainer.logger.log({"step": step, "event": "early_stop", "reason": reason, "best_step": b["step"],
+    def report(self, ctx: RunContext, reason: str) -> None:
+        b, step, run_dir = self.best, ctx.state.step, ctx.run_dir
+        ctx.logger.log({"step": step, "event": "early_stop", "reason": reason, "best_step": b["step"],
                             "best_val_loss": b["val_loss"]})
-        trainer.logger.message(f"early stop after step {step}: {reason}. Best: step {b['step']} (val_loss "
+        ctx.logger.message(f"early stop after step {step}: {reason}. Best: step {b['step']} (val_loss "
                                f"{b['val_loss']:.4f}), {run_dir / BEST_NAME}; last: {run_dir / 'latest'}")

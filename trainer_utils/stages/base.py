@@ -1,39 +1,29 @@
 """What a training stage is: everything about it in one place, so the loop and the config never name one.
 
-A stage declares its data kind, its flag defaults, the optional settings it has (`features`: "adapters" adds the
-LoRA flags, "preference" DPO's, ...), what it needs before training (checks), what it minimises (`objective`), and
-hooks into the one loop: `prepare` runs once before the first step (DPO's reference pass; GRPO builds its
-sampler, kept as trainer.stage_state), `before_loss` sees each step's micro-batches before the loss (GRPO turns
-prompts into sampled completions there, with metrics of its own). The training scripts are one line each:
+A stage declares its data kind, its flag defaults, its own settings (`options`: a dataclass that becomes the
+`objective` group of its config and the flags only its script has), the shared optional settings it takes
+(`features`: "adapters" adds the LoRA flags, "conversations" the chat-data ones), what it needs before training
+(checks), what it minimises (`objective`), and hooks into the one loop: `prepare` runs once before the first
+step (DPO's reference pass; GRPO builds its sampler, kept as ctx.stage_state), `before_loss` sees each step's
+micro-batches before the loss (GRPO turns prompts into sampled completions there, with metrics of its own).
+
+Its hooks see the run through narrow views (trainer_utils/context.py): a SetupContext before the data and the
+model exist, a RunContext once the Trainer is built; never the Session or the Trainer. A new stage is a module
+in this package (a Stage subclass with its options), one line in STAGES, and its script, one line:
 `trainer_utils.loop.main(<stage>, argv, __doc__)`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
-
-import torch
+from functools import cached_property
+from typing import Any, ClassVar
 
 from common.errors import ConfigError
+from dataset.config import DataConfig
+from dataset.kinds import DataKind
 
-from ..objectives import Batch, LanguageModeling, Objective
-
-if TYPE_CHECKING:  # hints only: the stages are imported by the config, the session and the loop
-    from dataset.config import DataConfig
-
-    from ..config import TrainConfig
-    from ..loop import Trainer
-    from ..session import Session
-
-
-@dataclass
-class StepBatches:
-    """One optimizer step's micro-batches on this rank, their non-padding input tokens (counted on the host, for
-    the log's throughput), and metrics the stage adds to the objective's (sums; Stage.metric_unit says per what)."""
-
-    micro: list[Batch]
-    input_tokens: int
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+from ..config import NoOptions, TrainConfig, train_config_class
+from ..context import RunContext, SetupContext, StepBatches
+from ..objectives import LanguageModeling, Objective
 
 
 class Stage:
@@ -41,9 +31,9 @@ class Stage:
 
     name: ClassVar[str]  # in run names (<name>-<model>), train_config.json and train_info.json's "method"
     script: ClassVar[str]  # the entry point, for messages
-    defaults: ClassVar[dict[str, Any]] = {}  # its flag defaults, over the dataclasses'
-    # optional settings it has (common.config.Scope): "adapters" (LoRA), "preference" (DPO), "teacher"
-    # (distillation), "conversations" (chat data)
+    options: ClassVar[type] = NoOptions  # its own settings: a dataclass of common.config options (config.objective)
+    defaults: ClassVar[dict[str, Any]] = {}  # its defaults for shared flags, over the dataclasses' (tested: known)
+    # shared optional settings it has (common.config.Scope): "adapters" (LoRA), "conversations" (chat data)
     features: ClassVar[frozenset[str]] = frozenset()
     needs_init: ClassVar[bool] = False  # trains on top of a trained model: --init_from is required
     memory_rows: ClassVar[int] = 1  # sequences per example in a batch, for the memory estimate
@@ -54,8 +44,13 @@ class Stage:
         """Whether it may train LoRA adapters instead of every weight."""
         return "adapters" in self.features
 
-    def data_kind(self, data: DataConfig) -> str:
-        """The records it trains on: dataset.config's TEXT, CONVERSATIONS or PAIRS."""
+    @cached_property
+    def config_class(self) -> type[TrainConfig]:
+        """Its configuration: the shared groups, and its options as the `objective` group."""
+        return train_config_class(self.options)
+
+    def data_kind(self, data: DataConfig) -> DataKind:
+        """The records it trains on: dataset.config's TEXT, CONVERSATIONS, PAIRS or PROMPTS."""
         raise NotImplementedError
 
     def check(self, config: TrainConfig) -> None:
@@ -64,23 +59,23 @@ class Stage:
             raise ConfigError(f"{self.script} trains on top of a trained model: pass --init_from out/<run> (an SFT "
                               "run, or a pretraining run)")
 
-    def check_session(self, session: Session) -> None:
+    def check_session(self, setup: SetupContext) -> None:
         """Checks that need the tokenizer and the model config (before the data is prepared)."""
 
-    def record_tokens(self, session: Session) -> int:
+    def record_tokens(self, setup: SetupContext) -> int:
         """The most tokens one training record may have (longer ones are cut or dropped as the data says)."""
-        return session.max_seq_len
+        return setup.max_seq_len
 
-    def objective(self, session: Session, device: torch.device) -> Objective:
-        """What it minimises, with its frozen helpers on the device."""
+    def objective(self, setup: SetupContext) -> Objective:
+        """What it minimises, with its frozen helpers on setup.device."""
         return LanguageModeling()
 
-    def prepare(self, trainer: Trainer) -> Any:
+    def prepare(self, ctx: RunContext) -> Any:
         """Once, after the model, optimizer and objective are built and before the first step; what it returns
-        is this run's state for the other hooks (trainer.stage_state)."""
+        is this run's state for the other hooks (ctx.stage_state)."""
         return None
 
-    def before_loss(self, trainer: Trainer, step: StepBatches) -> StepBatches:
+    def before_loss(self, ctx: RunContext, step: StepBatches) -> StepBatches:
         """Each step's micro-batches on their way to the loss (e.g. completed by rollouts); as they are here."""
         return step
 

@@ -12,26 +12,23 @@ import hashlib
 import io
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
-import torch
 
+from common.config import option
 from common.device import dtype_name
-from common.errors import ConfigError
 from common.files import file_sha256, write_atomic
-from dataset.config import PAIRS, DataConfig
+from dataset.config import DataConfig
+from dataset.kinds import PAIRS, DataKind
 from model.checkpoint import load_model
 from model.loading import ADAPTER_WEIGHTS_NAME, LORA_CONFIG_NAME, WEIGHTS_NAME, is_lora_dir
 
+from ..context import RunContext, SetupContext
 from ..objectives import DPO, Objective, sequence_log_probs
 from .base import Stage
-
-if TYPE_CHECKING:
-    from ..config import TrainConfig
-    from ..loop import Trainer
-    from ..session import Session
 
 
 def weights_sha256(model_dir: Path) -> str:
@@ -43,42 +40,47 @@ def weights_sha256(model_dir: Path) -> str:
     return hashlib.sha256("".join(parts).encode()).hexdigest()
 
 
+@dataclass
+class DPOOptions:
+    """What DPO optimises: the preference loss of the policy against the frozen start model."""
+
+    title: ClassVar[str] = "DPO"
+    beta: float = option(0.1, "how strongly the policy is held to the reference: the inverse temperature of the "
+                              "log-ratio margins (larger: closer)", above=0)
+    label_smoothing: float = option(0.0, "share of preference labels assumed wrong (conservative DPO)", at_least=0,
+                                    below=0.5)
+
+
 class PreferenceOptimization(Stage):
     name = "dpo"
     script = "train_dpo.py"
     defaults: ClassVar[dict[str, Any]] = dict(data_path=["dataset/demo/dpo_demo.jsonl"], batch_size=8,
                                               learning_rate=5e-6)
-    features = frozenset({"conversations", "adapters", "preference"})
+    options = DPOOptions
+    features = frozenset({"conversations", "adapters"})
     needs_init = True
     memory_rows = 2  # a batch holds both answers of each pair
 
-    def data_kind(self, data: DataConfig) -> str:
+    def data_kind(self, data: DataConfig) -> DataKind:
         return PAIRS
 
-    def check(self, config: TrainConfig) -> None:
-        super().check(config)
-        if config.objective.beta <= 0:  # the setting allows 0 for GRPO, where it means no KL term
-            raise ConfigError(f"--beta must be > 0 for DPO (it scales the log-ratio margins), got "
-                              f"{config.objective.beta}")
+    def objective(self, setup: SetupContext) -> Objective:
+        return DPO(setup.options.beta, setup.options.label_smoothing)
 
-    def objective(self, session: Session, device: torch.device) -> Objective:
-        return DPO(session.config.objective.beta, session.config.objective.label_smoothing)
-
-    def prepare(self, trainer: Trainer) -> None:
-        s, backend, precision = trainer.session, trainer.backend, trainer.precision
-        train = s.train_data
-        datasets = [*getattr(train, "parts", [train]), *(v.data for v in s.val_sets)]
-        key = f"{weights_sha256(s.init_dir)[:16]}-{dtype_name(precision.dtype)}"
+    def prepare(self, ctx: RunContext) -> None:
+        backend, precision, train = ctx.backend, ctx.precision, ctx.train_data
+        datasets = [*getattr(train, "parts", [train]), *(v.data for v in ctx.val_sets)]
+        key = f"{weights_sha256(ctx.init_dir)[:16]}-{dtype_name(precision.dtype)}"
         paths = [ds.cache_path / f"reference-{ds.split}-{key}.npy" for ds in datasets]
         missing = [(ds, path) for ds, path in zip(datasets, paths) if not path.is_file()]
         if missing and backend.is_main:
             t0 = time.perf_counter()
-            reference, _ = load_model(s.init_dir, device=trainer.device)  # a LoRA run's adapters merged in
+            reference, _ = load_model(ctx.init_dir, device=ctx.device)  # a LoRA run's adapters merged in
             for ds, path in missing:
                 values = np.zeros((ds.num_examples, 2), dtype=np.float32)
                 # training-sized batches: larger ones measured slower on CPU (25 s against 21.5 s for the demo)
-                for indices, x, y in ds.all_pairs_batches(s.config.optim.batch_size):
-                    logp = sequence_log_probs(reference, x.to(trainer.device), y.to(trainer.device),
+                for indices, x, y in ds.all_pairs_batches(ctx.config.optim.batch_size):
+                    logp = sequence_log_probs(reference, x.to(ctx.device), y.to(ctx.device),
                                               precision.autocast).cpu().numpy()
                     values[indices, 0], values[indices, 1] = logp[:len(indices)], logp[len(indices):]
                 with io.BytesIO() as buffer:
@@ -87,7 +89,7 @@ class PreferenceOptimization(Stage):
             del reference
             pairs = sum(ds.num_examples for ds, _ in missing)
             print(f"reference log-probs of {pairs:,} pairs computed once in {time.perf_counter() - t0:.1f}s "
-                  f"({s.init_dir}, {dtype_name(precision.dtype)}), cached as {paths[0].name}", file=sys.stderr)
+                  f"({ctx.init_dir}, {dtype_name(precision.dtype)}), cached as {paths[0].name}", file=sys.stderr)
         backend.barrier()
         for ds, path in zip(datasets, paths):
             ds.set_reference(np.load(path))

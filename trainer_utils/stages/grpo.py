@@ -21,25 +21,23 @@ dataset/demo/math_heldout.jsonl: exact-match accuracy by generation).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from common.config import option
 from common.errors import ConfigError
 from common.tokens import IGNORE_INDEX
-from dataset.config import PROMPTS, DataConfig
+from dataset.config import DataConfig
+from dataset.kinds import PROMPTS, DataKind
 from model.checkpoint import load_model
 
-from ..components.base import every
-from ..objectives import Autocast, Objective, PolicyGradient, completion_logits
+from ..context import RunContext, SetupContext, StepBatches, every
+from ..objectives import POLICY_LOSSES, Autocast, Objective, PolicyGradient, completion_logits
 from ..rewards import Completion, group_advantages, parse_reward, score
 from ..rollouts import sample_rollouts
-from .base import Stage, StepBatches
-
-if TYPE_CHECKING:
-    from ..config import TrainConfig
-    from ..loop import Trainer
-    from ..session import Session
+from .base import Stage
 
 ROLLOUT_TAG = 0x67727030  # "grp0": separates the rollouts' random numbers from any other seeded stream
 LOGGED_GROUPS = 2  # groups written to rollouts.jsonl at each evaluation
@@ -53,39 +51,63 @@ def rollout_keys(seed: int, step: int, indices: list[int], group: int) -> list[t
     return [(seed, ROLLOUT_TAG, step, i, g) for i in indices for g in range(group)]
 
 
+@dataclass
+class GRPOOptions:
+    """What reinforcement learning optimises: sampled completions, rewarded by checks, compared within groups."""
+
+    title: ClassVar[str] = "reinforcement learning (GRPO / CISPO)"
+    beta: float = option(0.0, "weight of the KL to the --init_from model (0: no reference model is kept)",
+                         at_least=0)
+    temperature: float = option(1.0, "the temperature completions are sampled (and trained) at", above=0)
+    num_generations: int = option(8, "completions sampled per prompt (a group; advantages compare them)",
+                                  at_least=2)
+    max_completion_tokens: int = option(64, "tokens a completion may have (one cut off there is 'truncated'); "
+                                            "prompts get --max_seq_len minus this", at_least=1)
+    reward: str = option("exact,format=0.1", "the reward, weighted terms: exact (the record's answer), format (the "
+                                             "answer stated as taught), length, FILE.py:FUNCTION, a reward model's "
+                                             "directory (trainer_utils/rewards.py)", metavar="SPEC")
+    scale_rewards: bool = option(True, "divide each group's centred rewards by their standard deviation "
+                                       "(--no-scale_rewards: Dr. GRPO's unscaled advantages)")
+    loss_type: str = option(POLICY_LOSSES[0], "the policy loss: grpo, PPO's clipped ratio; cispo, a clipped "
+                                              "stop-gradient weight on every token (trainer_utils/objectives.py "
+                                              "PolicyGradient)", choices=POLICY_LOSSES)
+    epsilon: float = option(0.2, "the ratio's lower clip, 1 - epsilon (grpo)", at_least=0, below=1)
+    epsilon_high: float = option(0.2, "the ratio's upper clip, 1 + epsilon_high (grpo and cispo)", above=0)
+
+    def check(self) -> None:
+        parse_reward(self.reward)  # a bad spec or reward file fails now, before anything slow
+
+
 class GRPO(Stage):
     name = "grpo"
     script = "train_grpo.py"
+    options = GRPOOptions
     defaults: ClassVar[dict[str, Any]] = dict(data_path=["dataset/demo/math_train.jsonl"], batch_size=8,
-                                              learning_rate=1e-5, beta=0.0, temperature=1.0)
-    features = frozenset({"conversations", "adapters", "reinforcement"})
+                                              learning_rate=1e-5)
+    features = frozenset({"conversations", "adapters"})
     needs_init = True
     estimates_memory = False  # the estimate is of one training batch; here the rollouts' KV cache and a
     # reference model may run beside it (the log's peak memory is measured)
 
-    def data_kind(self, data: DataConfig) -> str:
+    def data_kind(self, data: DataConfig) -> DataKind:
         return PROMPTS
 
-    def check(self, config: TrainConfig) -> None:
-        super().check(config)
-        parse_reward(config.objective.reward)  # a bad spec or reward file fails now, before anything slow
-
-    def record_tokens(self, session: Session) -> int:
-        budget = session.config.objective.max_completion_tokens
-        if budget >= session.max_seq_len:
+    def record_tokens(self, setup: SetupContext) -> int:
+        budget = setup.options.max_completion_tokens
+        if budget >= setup.max_seq_len:
             raise ConfigError(f"--max_completion_tokens {budget} leaves no room for a prompt in --max_seq_len "
-                              f"{session.max_seq_len}")
-        return session.max_seq_len - budget
+                              f"{setup.max_seq_len}")
+        return setup.max_seq_len - budget
 
-    def objective(self, session: Session, device: torch.device) -> Objective:
-        o = session.config.objective
+    def objective(self, setup: SetupContext) -> Objective:
+        o = setup.options
         return PolicyGradient(o.loss_type, o.epsilon, o.epsilon_high, o.beta, o.temperature)
 
-    def prepare(self, trainer: Trainer) -> RolloutSampler:
-        return RolloutSampler(trainer)
+    def prepare(self, ctx: RunContext) -> RolloutSampler:
+        return RolloutSampler(ctx)
 
-    def before_loss(self, trainer: Trainer, step: StepBatches) -> StepBatches:
-        return trainer.stage_state.sample(trainer, step)
+    def before_loss(self, ctx: RunContext, step: StepBatches) -> StepBatches:
+        return ctx.stage_state.sample(ctx, step)
 
     def metric_unit(self, name: str) -> str | None:
         if name in ("reward", "completion_tokens", "truncated") or name.startswith("reward/"):
@@ -96,22 +118,21 @@ class GRPO(Stage):
 class RolloutSampler:
     """A GRPO run's sampler: the reward's terms, the frozen reference (--beta > 0), and the step's batches."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        s = trainer.session
-        o = s.config.objective
-        self.terms = parse_reward(o.reward, trainer.device)
+    def __init__(self, ctx: RunContext) -> None:
+        o = ctx.options
+        self.terms = parse_reward(o.reward, ctx.device)
         self.group, self.budget, self.temperature = o.num_generations, o.max_completion_tokens, o.temperature
-        self.tokenizer, self.stop_ids = s.tokenizer, s.tokenizer.stop_ids(chat=True)
+        self.tokenizer, self.stop_ids = ctx.tokenizer, ctx.tokenizer.stop_ids(chat=True)
         self.reference = None
         if o.beta > 0:  # the --init_from model as it was (a LoRA run's adapters merged), frozen
-            self.reference = load_model(s.init_dir, device=trainer.device)[0].eval().requires_grad_(False)
-        self.log_every = trainer.config.eval.eval_interval
+            self.reference = load_model(ctx.init_dir, device=ctx.device)[0].eval().requires_grad_(False)
+        self.scale_rewards, self.log_every = o.scale_rewards, ctx.config.eval.eval_interval
 
     @torch.no_grad()
-    def sample(self, trainer: Trainer, step: StepBatches) -> StepBatches:
+    def sample(self, ctx: RunContext, step: StepBatches) -> StepBatches:
         """The step's prompt micro-batches as PolicyGradient batches, with the rollouts' metrics (sums)."""
-        s, device, seed, number = trainer.session, trainer.device, trainer.config.optim.seed, trainer.state.step
-        records = s.train_data.records
+        device, seed, number, data = ctx.device, ctx.config.optim.seed, ctx.state.step, ctx.train_data
+        records = data.records
         micro, input_tokens, logged = [], 0, []
         sums: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -119,16 +140,16 @@ class RolloutSampler:
             indices = indices.tolist()
             prompts = [row[len(row) - n:] for row, n in zip(ids.tolist(), lengths.tolist())]
             keys = rollout_keys(seed, number, indices, self.group)
-            r = sample_rollouts(trainer.model, prompts, self.group, self.budget, self.stop_ids,
-                                self.tokenizer.pad_id, self.temperature, autocast=trainer.precision.autocast,
+            r = sample_rollouts(ctx.model, prompts, self.group, self.budget, self.stop_ids,
+                                self.tokenizer.pad_id, self.temperature, autocast=ctx.precision.autocast,
                                 row_keys=keys)
             completions = [Completion(self.tokenizer.decode(c, skip_special_tokens=True), len(c), self.budget,
                                       records[indices[row]]) for row, c in zip(r.prompt_rows, r.completions)]
             total, parts = score(self.terms, completions)
-            advantages = group_advantages(total, self.group, trainer.config.objective.scale_rewards)
+            advantages = group_advantages(total, self.group, self.scale_rewards)
             batch = (r.inputs, r.targets, r.old_log_probs, advantages.to(device))
             if self.reference is not None:
-                batch = (*batch, self.reference_log_probs(r.targets, r.inputs, trainer.precision.autocast))
+                batch = (*batch, self.reference_log_probs(r.targets, r.inputs, ctx.precision.autocast))
             micro.append(batch)
             sampled = sum(c.tokens for c in completions)
             input_tokens += sum(len(p) for p in prompts) * self.group + sampled
@@ -140,10 +161,10 @@ class RolloutSampler:
                 completion_tokens=sampled, rollout_tokens_per_s=sampled,
                 **{f"reward/{k}": v.sum() for k, v in parts.items()})
             if not logged:
-                logged = rollout_rows(completions, total, parts, self.group, s.train_data, indices)
+                logged = rollout_rows(completions, total, parts, self.group, data, indices)
         add(sums, rollout_s=time.perf_counter() - t0)
-        if trainer.backend.is_main and every(self.log_every, number + 1, trainer.total_steps):
-            trainer.logger.log_rows("rollouts", number + 1, logged)
+        if ctx.backend.is_main and every(self.log_every, number + 1, ctx.control.total_steps):
+            ctx.logger.log_rows("rollouts", number + 1, logged)
         metrics = {k: torch.tensor(float(v), device=device, dtype=torch.float64) for k, v in sums.items()}
         return StepBatches(micro, input_tokens, metrics)
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from dataset.config import TEXT, DataConfig
+from dataset.config import DataConfig
+from dataset.kinds import TEXT, DataKind
 
 from .base import Stage
 
@@ -15,5 +16,5 @@ class Pretrain(Stage):
     defaults: ClassVar[dict[str, Any]] = dict(data_path=["dataset/demo/pretrain_demo.jsonl"], batch_size=32,
                                               learning_rate=5e-4, optimizer="auto")
 
-    def data_kind(self, data: DataConfig) -> str:
+    def data_kind(self, data: DataConfig) -> DataKind:
         return TEXT

@@ -3,14 +3,13 @@ LoRA variant (train_lora.py): the same data and loss, low-rank adapters trained 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from dataset.config import CONVERSATIONS, DataConfig
+from dataset.config import DataConfig
+from dataset.kinds import CONVERSATIONS, DataKind
 
+from ..context import SetupContext
 from .base import Stage
-
-if TYPE_CHECKING:
-    from ..session import Session
 
 SFT_DEMO = ["dataset/demo/sft_demo.jsonl"]
 
@@ -22,11 +21,11 @@ class SFT(Stage):
     defaults: ClassVar[dict[str, Any]] = dict(data_path=SFT_DEMO, batch_size=16, learning_rate=5e-5)
     features = frozenset({"conversations"})
 
-    def data_kind(self, data: DataConfig) -> str:
+    def data_kind(self, data: DataConfig) -> DataKind:
         return CONVERSATIONS
 
-    def check_session(self, session: Session) -> None:
-        if session.init_dir is None and session.resume_from is None:
+    def check_session(self, setup: SetupContext) -> None:
+        if setup.init_dir is None and setup.resume_from is None:
             print("note: no --init_from; fine-tuning a randomly initialised model", file=sys.stderr)
 
 
