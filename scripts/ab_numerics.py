@@ -3,6 +3,7 @@
     python scripts/ab_numerics.py record /tmp/before.json      # at the commit before the change
     python scripts/ab_numerics.py record /tmp/after.json       # after it
     python scripts/ab_numerics.py compare /tmp/before.json /tmp/after.json
+    python scripts/ab_numerics.py record /tmp/demo.json --demo_recipes     # the demo recipes' first steps instead
 
 `record` trains a tiny pretraining model with Muon, then SFT, LoRA, DPO and distillation on top of it (AdamW), GRPO
 from the SFT model (without and with the KL term, and CISPO's loss; rewarded by a term that varies within a
@@ -68,13 +69,36 @@ def runs(out: Path, dtype: str) -> list[tuple[str, str, list[str]]]:
     ]
 
 
+# The demo recipes in the order they start from each other, each with the run its --init_from / --teacher names
+DEMO_CHAIN = (("demo-pretrain", "train_pretrain.py", {}),
+              ("demo-sft", "train_full_sft.py", {"init_from": "demo-pretrain"}),
+              ("demo-lora", "train_lora.py", {"init_from": "demo-sft"}),
+              ("demo-dpo", "train_dpo.py", {"init_from": "demo-sft"}),
+              ("demo-distill", "train_distillation.py", {"teacher": "demo-pretrain"}),
+              ("demo-math-sft", "train_full_sft.py", {"init_from": "demo-sft"}),
+              ("demo-grpo", "train_grpo.py", {"init_from": "demo-math-sft"}))
+
+
+def recipe_runs(out: Path, dtype: str) -> list[tuple[str, str, list[str]]]:
+    """The demo recipes as shipped (full-size models, their data and settings), each for its first 3 steps from the
+    3-step run of the recipe it starts from, evaluated (and checkpointed) at step 3."""
+    base = ["--out_dir", str(out), "--dtype", dtype, "--cache_dir", str(out / "cache"), "--num_workers", "0",
+            "--max_steps", "3", "--log_interval", "1", "--eval_interval", "3", "--save_interval", "3",
+            "--eval_batches", "2", "--eval_task_items", "8", "--overwrite"]
+    def start(flag: str, run: str) -> list[str]:
+        return [f"--{flag}", str(out / f"{run}-{dtype}")]
+    return [(f"{name}-{dtype}", script, ["--config", f"recipes/{name}.yaml", *base,
+                                         *(a for k, v in starts.items() for a in start(k, v))])
+            for name, script, starts in DEMO_CHAIN]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in path.open()]
 
 
-def record(path: Path, dtypes: list[str]) -> None:
+def record(path: Path, dtypes: list[str], demo_recipes: bool = False) -> None:
     results: dict[str, dict] = {}
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,7 +107,7 @@ def record(path: Path, dtypes: list[str]) -> None:
         # answers are never right): advantages that are not all zero, so the policy loss moves the weights
         (out / "reward.py").write_text("def score(completion, record):\n    return sum(map(ord, completion)) % 7 / 7\n")
         for dtype in dtypes:
-            for name, script, flags in runs(out, dtype):
+            for name, script, flags in (recipe_runs if demo_recipes else runs)(out, dtype):
                 run_name = ["--run_name", name]
                 if name.startswith("pretrain"):  # stop half-way, then resume: the resumed half must match too
                     at = flags.index("--max_steps") + 1
@@ -144,13 +168,17 @@ def main() -> int:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("record")
     r.add_argument("out", type=Path)
-    r.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    r.add_argument("--dtypes", nargs="+", default=None, help="default: float32 and bfloat16 (--demo_recipes: "
+                                                              "float32)")
+    r.add_argument("--demo_recipes", action="store_true", help="the demo recipes' first steps instead (their "
+                                                                "full-size models)")
     c = sub.add_parser("compare")
     c.add_argument("first", type=Path)
     c.add_argument("second", type=Path)
     args = p.parse_args()
     if args.command == "record":
-        record(args.out, args.dtypes)
+        record(args.out, args.dtypes or (["float32"] if args.demo_recipes else ["float32", "bfloat16"]),
+               args.demo_recipes)
         return 0
     return compare(args.first, args.second)
 
