@@ -235,6 +235,18 @@ def test_fewer_newton_schulz_iterations_are_a_group_setting_that_resumes():
     assert [g["ns_steps"] for g in twin.param_groups if g["owner"] == "muon"] == [3]
 
 
+def test_a_resume_refuses_another_newton_schulz_count(corpus, tmp_path, capsys):
+    """The count is the run's (saved with Muon's group): a resume told another one stops instead of silently
+    keeping the checkpoint's; the same count, or none, continues."""
+    common = dict(max_steps=2, log_interval=1, eval_interval=100, save_interval=1, optimizer="muon")
+    assert train_pretrain.main(flags(corpus, tmp_path, muon_ns_steps=4, **common)) == 0
+    more = dict(common, max_steps=3, resume=True)
+    assert train_pretrain.main(flags(corpus, tmp_path, muon_ns_steps=5, **more)) == 2
+    assert "--muon_ns_steps 5: " in capsys.readouterr().err
+    assert train_pretrain.main(flags(corpus, tmp_path, muon_ns_steps=4, **more)) == 0
+    assert train_pretrain.main(flags(corpus, tmp_path, **dict(more, max_steps=4))) == 0
+
+
 def test_muon_with_accumulation_matches_a_bigger_batch(corpus, tmp_path):
     common = dict(max_steps=2, log_interval=1, eval_interval=100, save_interval=100, optimizer="muon")
     assert train_pretrain.main(flags(corpus, tmp_path, "big", batch_size=8, **common)) == 0

@@ -204,6 +204,12 @@ class Trainer:
             raise TokenizerError(f"{ckpt}: trained with another tokenizer (sha256 {state['tokenizer_sha256'][:12]}"
                                  f"), not {self.session.tokenizer.path}")
         self.backend.restore_state(ckpt, state)
+        given = self.config.optim.muon_ns_steps
+        restored = next((g["ns_steps"] for g in self.optimizer.param_groups if g.get("owner") == "muon"), None)
+        if given is not None and restored is not None and given != restored:  # the restored group's count runs
+            raise ConfigError(f"--muon_ns_steps {given}: {ckpt} was trained with {restored} Newton-Schulz "
+                              "iterations, which a resume keeps; drop --muon_ns_steps (or pass "
+                              f"{restored}), or start a new run")
         self.scheduler.load_state_dict(state["scheduler"])
         self.state = TrainState.from_checkpoint(state)
         self.counters["tokens_seen"] += self.state.tokens_seen
