@@ -171,6 +171,22 @@ def validate_messages(messages: Any, name: str, where: str = "") -> None:
         if tools is not None and not (i == 0 and turn["role"] == "system" and isinstance(tools, list)
                                       and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f'{where}turn {i} "tools" must be a list of objects on the first, system turn')
+        for k, tool in enumerate(tools or ()):
+            if not tool_schema_ok(tool):
+                raise ValueError(f'{where}turn {i} tool {k} is not a function schema: expected {{"type": '
+                                 '"function", "function": {"name": str, "description": str, "parameters": '
+                                 '{"type": "object", ...}}} (or the "function" object alone)')
+
+
+def tool_schema_ok(tool: dict[str, Any]) -> bool:
+    """A tool as OpenAI's `tools` describe one (or its "function" object alone): a non-empty name, an optional
+    string description, and parameters that are a JSON-schema object when given."""
+    function = tool.get("function", tool)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"].strip():
+        return False
+    parameters = function.get("parameters", {"type": "object"})
+    return isinstance(function.get("description", ""), str) and isinstance(parameters, dict) and \
+        parameters.get("type", "object") == "object"
 
 
 def tool_call_ok(call: Any) -> bool:

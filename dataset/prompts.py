@@ -35,6 +35,7 @@ class PromptDataset(GlobalOrder):
         self.path, self.pad_id = Path(path), tokenizer.pad_id
         self.report = report if report is not None else SkipReport()
         self.records: list[dict[str, Any]] = []
+        self.linenos: list[int] = []  # each record's line in the file, for messages that name it
         self.prompts: list[list[int]] = []
         for lineno, record in read_records(path, RECORDS[PROMPTS], skip_bad_lines, self.report):
             ids = tokenizer.chat_prompt(prompt_messages(record))
@@ -43,6 +44,7 @@ class PromptDataset(GlobalOrder):
                                    f"{max_prompt_tokens} it may take", skip_bad_lines)
                 continue
             self.records.append(record)
+            self.linenos.append(lineno)
             self.prompts.append(ids)
         if not self.prompts:
             raise DataError(f"{path}: no prompts left ({self.report.summary()})")

@@ -228,6 +228,12 @@ class Tokenizer:
         return self.encode_chat(messages, add_generation_prompt=True, tools=tools, enable_thinking=enable_thinking,
                                 prefill=prefill)[0]
 
+    def tool_results(self, messages: Sequence[Message]) -> list[int]:
+        """The ids the chat template writes after an assistant turn's <|im_end|> when tool messages follow it,
+        through the next assistant header: what a tool loop that keeps a conversation as token ids appends (the
+        reply's own tokens stay as generated, never re-encoded)."""
+        return [self.newline_id] + self.encode_chat(messages, add_generation_prompt=True)[0]
+
     def stop_ids(self, chat: bool) -> list[int]:
         """Where generation ends: a chat answer at <|im_end|> (or a document end), raw text at <|endoftext|>."""
         return [self.im_end_id, self.eot_id] if chat else [self.eot_id]

@@ -13,6 +13,8 @@ A reward spec is a comma-separated list of terms, each optionally weighted: "exa
              1 when the completion's first tool call is the record's "tool_call" ({"name", "arguments"}, compared
              as common/tool_calls.same_call compares them) and no call is malformed, else 0 (the prompts of
              dataset/demo/tools_heldout.jsonl carry it)
+    tool_use 1 when a rollout with tools (train_agent.py) made calls, every one well formed and run without an
+             error, and then answered; else 0 (calls alone earn nothing)
     length   0 up to LENGTH_FREE of the budget, then falling linearly to -1 at the whole budget (a completion
              cut off by the budget gets -1): long rambling answers cost
     FILE.py:FUNCTION
@@ -37,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from common.answers import judge, stated_numbers
-from common.errors import ConfigError
+from common.errors import ConfigError, TrainingError
 from common.files import require_package
 from common.tool_calls import parse_reply, same_call
 from dataset.jsonl import prompt_messages
@@ -46,14 +48,38 @@ LENGTH_FREE = 0.5  # the share of the token budget a completion may use before t
 
 
 @dataclass(frozen=True)
+class ToolUse:
+    """What a rollout with tools did (trainer_utils/rollouts.py sample_tool_rollouts): the turns it added after the
+    prompt (its replies as assistant messages, the tools' results as tool messages), the calls it made, the
+    blocks that looked like calls but were not, the calls whose result was an error (unknown tool, bad
+    arguments), and how it ended if not with an answer: `capped` (still calling after the last round),
+    `overflow` (no room left in the context), `cut` (a reply ran out of tokens)."""
+
+    turns: tuple[dict[str, Any], ...]
+    calls: int
+    malformed: int
+    errors: int
+    capped: bool = False
+    overflow: bool = False
+    cut: bool = False
+
+    @property
+    def answered(self) -> bool:
+        """It ended with a reply of its own (no calls left unrun, not cut off)."""
+        return not (self.capped or self.overflow or self.cut)
+
+
+@dataclass(frozen=True)
 class Completion:
     """One sampled completion, as rewards see it: its text, its token count and budget, and its prompt's
-    record (with the gold "answer")."""
+    record (with the gold "answer"). A rollout with tools: `text` is its final answer ("" when it ended without
+    one), `tokens` the policy's own, and `tool_use` what it did."""
 
     text: str
     tokens: int
     budget: int
     record: dict[str, Any]
+    tool_use: ToolUse | None = None
 
 
 RewardFn = Callable[[Completion], float]
@@ -79,12 +105,20 @@ def tool_call(c: Completion) -> float:
     return float(same_call(reply.calls[0], call.get("name"), call.get("arguments") or {}))
 
 
+def tool_use(c: Completion) -> float:
+    """1 when a rollout called tools and every call was well formed and ran, and it went on to an answer; calls
+    alone earn nothing (a rollout that loops on calls until the cap gets 0), nor does an answer without a call."""
+    u = c.tool_use
+    return float(u is not None and u.calls > 0 and u.malformed == 0 and u.errors == 0 and u.answered)
+
+
 def length(c: Completion) -> float:
     free = LENGTH_FREE * c.budget
     return -min(1.0, max(0.0, (c.tokens - free) / (c.budget - free))) if c.budget > free else 0.0
 
 
-BUILTIN: dict[str, RewardFn] = {"exact": exact, "format": stated, "length": length, "tool_call": tool_call}
+BUILTIN: dict[str, RewardFn] = {"exact": exact, "format": stated, "length": length, "tool_call": tool_call,
+                                "tool_use": tool_use}
 
 
 @dataclass(frozen=True)
@@ -167,7 +201,12 @@ def user_reward(spec: str) -> RewardFn:
         raise ConfigError(f"reward {spec}: {name} must take (completion: str, record: dict)") from None
 
     def call(c: Completion) -> float:  # per completion: the user's function sees one at a time
-        value = fn(c.text, c.record)
+        try:
+            value = fn(c.text, c.record)
+        except Exception as e:  # the user's code: one line naming it and what it was given, not a traceback
+            raise TrainingError(f"reward {spec}: {name} raised {type(e).__name__}: {e} (on the completion "
+                                f"{c.text[:80]!r} of the record answered {c.record.get('answer')!r}); the last "
+                                "checkpoint is intact") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"reward {spec}: {name} returned {value!r}; a reward is a finite number")
         return float(value)

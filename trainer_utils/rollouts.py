@@ -18,16 +18,36 @@ one did, and ranks of a DDP run sample what one process does.
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from common.tokens import IGNORE_INDEX
+from common.tool_calls import parse_reply
+from common.tools import Tool, run_tool
 from model.generate import generate
+from model.tool_use import assistant_message
 
 from .objectives import SHAPE_STEP, Autocast
+from .rewards import ToolUse
+
+
+class ToolCodec(Protocol):
+    """What a rollout with tools needs of the tokenizer (dataset/tokenizer.py Tokenizer)."""
+
+    pad_id: int
+    im_end_id: int  # the end of a turn: a reply that calls ends with it before the results come back
+
+    def stop_ids(self, chat: bool) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+    def tool_results(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The ids the chat template writes after a reply's end-of-turn for these tool messages, up to and
+        including the next assistant header."""
 
 
 def keyed_uniforms(keys: Sequence[Sequence[int]], count: int, device: torch.device | str) -> torch.Tensor:
@@ -72,15 +92,119 @@ def sample_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]], gr
                                top_k=top_k, top_p=top_p, pad_token_id=pad_id, stop=ends, generator=generator,
                                uniforms=uniforms, log_probs=sampled_log_probs)
     truncated = [not c or c[-1] not in stop_ids for c in completions]
-    width = max(len(prompts[i]) + len(c) for i, c in zip(rows, completions)) - 1
+    inputs, targets, old = training_rows([Row([*prompts[i], *c], [False] * len(prompts[i]) + [True] * len(c),
+                                              [0.0] * len(prompts[i]) + lp)
+                                          for i, c, lp in zip(rows, completions, sampled_log_probs)], pad_id, device)
+    return Rollouts(inputs, targets, old, completions, truncated, rows)
+
+
+@dataclass
+class Row:
+    """One rollout as a token sequence: which tokens the policy sampled (the targets) and their log-probabilities
+    under the sampler (0 elsewhere: the prompt, a tool's result and the template's markers around it)."""
+
+    ids: list[int]
+    policy: list[bool]
+    log_probs: list[float]
+
+
+def training_rows(rows: Sequence[Row], pad_id: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, the sampler's log-probabilities) of rows, right-padded to a multiple of SHAPE_STEP: inputs
+    all but a row's last token; targets its next tokens where the policy sampled them, IGNORE_INDEX elsewhere."""
+    width = max(len(row.ids) for row in rows) - 1
     width = -(-width // SHAPE_STEP) * SHAPE_STEP
     inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     old = torch.zeros((len(rows), width), dtype=torch.float32)
-    for r, (i, c) in enumerate(zip(rows, completions)):
-        sequence = torch.tensor([*prompts[i], *c], dtype=torch.long)
-        n, p = len(sequence) - 1, len(prompts[i])
+    for r, row in enumerate(rows):
+        sequence, n = torch.tensor(row.ids, dtype=torch.long), len(row.ids) - 1
         inputs[r, :n] = sequence[:-1]
-        targets[r, p - 1:n] = sequence[p:]
-        old[r, p - 1:n] = torch.tensor(sampled_log_probs[r], dtype=torch.float32)
-    return Rollouts(inputs.to(device), targets.to(device), old.to(device), completions, truncated, rows)
+        targets[r, :n] = torch.where(torch.tensor(row.policy[1:]), sequence[1:], IGNORE_INDEX)
+        old[r, :n] = torch.tensor(row.log_probs[1:], dtype=torch.float32)
+    return inputs.to(device), targets.to(device), old.to(device)
+
+
+@dataclass
+class ToolRollouts:
+    """A step's rollouts with tools (rows = prompts x group): the training rows, and what each rollout did."""
+
+    rows: Rollouts  # completions: each row's ids after its prompt (replies, results and markers); truncated: cut
+    uses: list[ToolUse]
+    finals: list[str]  # each rollout's final answer ("" when it ended without one)
+    policy_tokens: list[int]  # the tokens each rollout's replies sampled
+
+
+@torch.no_grad()
+def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]], group: int, max_new_tokens: int,
+                         max_rounds: int, max_len: int, codec: ToolCodec, tools: Sequence[dict[str, Tool]],
+                         temperature: float = 1.0, autocast: Autocast = contextlib.nullcontext,
+                         row_keys: Sequence[Sequence[int]] | None = None) -> ToolRollouts:
+    """`group` rollouts of each prompt that may call tools: each round, every rollout still going generates its
+    next reply (one batched, KV-cached generation for all of them, up to max_new_tokens each); a reply that ends its
+    turn with well-formed calls has them run by `tools[prompt]` (the tools its prompt offers: common/tools.py, the
+    model's text never evaluated), their results appended as the template writes them, and goes on; any other
+    reply ends its rollout. At most `max_rounds` rounds of calls run (a reply still calling after them is
+    `capped`), and a rollout stops when its next reply might not fit in `max_len` tokens (`overflow`).
+
+    The tokens are appended as sampled, never re-encoded, so the training row is exactly what the policy saw.
+    Only the replies' tokens are targets (their end-of-turn included); the prompt, the results and the template's
+    markers around them are not. Row r, round k draws its tokens with key (*row_keys[r], k): a rollout is the same
+    whatever batch or round-mate it is decoded with, so a resume or a DDP run samples what one process does."""
+    device = next(model.parameters()).device
+    owner = [i for i in range(len(prompts)) for _ in range(group)]
+    if row_keys is not None and len(row_keys) != len(owner):
+        raise ValueError(f"{len(row_keys)} row keys for {len(owner)} rows")
+    rows = [Row(list(prompts[i]), [False] * len(prompts[i]), [0.0] * len(prompts[i])) for i in owner]
+    turns: list[list[dict[str, Any]]] = [[] for _ in owner]
+    finals, calls, malformed, errors = [""] * len(owner), [0] * len(owner), [0] * len(owner), [0] * len(owner)
+    capped, overflow, cut = [False] * len(owner), [False] * len(owner), [False] * len(owner)
+    stop_ids = codec.stop_ids(True)
+    stops = torch.tensor(stop_ids, device=device)
+    active = list(range(len(owner)))
+    for round_ in range(max_rounds + 1):
+        for r in active:
+            overflow[r] = len(rows[r].ids) + max_new_tokens > max_len
+        active = [r for r in active if not overflow[r]]
+        if not active:
+            break
+        uniforms = (keyed_uniforms([(*row_keys[r], round_) for r in active], max_new_tokens, device)
+                    if row_keys is not None else None)
+        log_probs: list[list[float]] = []
+        with autocast():
+            replies = generate(model, [rows[r].ids for r in active], max_new_tokens, temperature=temperature,
+                               pad_token_id=codec.pad_id, stop=lambda t, a: torch.isin(t, stops) & a,
+                               uniforms=uniforms, log_probs=log_probs)
+        going = []
+        for r, new, lp in zip(active, replies, log_probs):
+            row = rows[r]
+            row.ids += new
+            row.policy += [True] * len(new)
+            row.log_probs += lp
+            reply = parse_reply(codec.decode(new, skip_special_tokens=True))
+            turns[r].append(assistant_message(reply))
+            malformed[r] += len(reply.malformed)
+            cut[r] = not new or new[-1] not in stop_ids
+            if cut[r] or not reply.calls:
+                finals[r] = "" if cut[r] else reply.content
+                continue
+            if round_ == max_rounds or new[-1] != codec.im_end_id:
+                capped[r] = True  # calls left unrun: no answer (an end of text instead of a turn's end, too)
+                continue
+            results = [run_tool(call, tools[owner[r]]) for call in reply.calls]
+            calls[r] += len(results)
+            errors[r] += sum("error" in json.loads(result) for result in results)
+            messages = [{"role": "tool", "content": result} for result in results]
+            turns[r] += messages
+            observed = codec.tool_results(messages)
+            row.ids += observed
+            row.policy += [False] * len(observed)
+            row.log_probs += [0.0] * len(observed)
+            going.append(r)
+        active = going
+    inputs, targets, old = training_rows(rows, codec.pad_id, device)
+    completions = [row.ids[len(prompts[i]):] for row, i in zip(rows, owner)]
+    uses = [ToolUse(tuple(t), c, m, e, cap, over, x)
+            for t, c, m, e, cap, over, x in zip(turns, calls, malformed, errors, capped, overflow, cut)]
+    policy_tokens = [sum(row.policy) for row in rows]
+    return ToolRollouts(Rollouts(inputs, targets, old, completions, cut, owner), uses, finals, policy_tokens)

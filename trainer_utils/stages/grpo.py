@@ -21,7 +21,7 @@ dataset/demo/math_heldout.jsonl: exact-match accuracy by generation).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -36,7 +36,7 @@ from model.checkpoint import load_model
 from ..context import RunContext, SetupContext, StepBatches, every
 from ..objectives import POLICY_LOSSES, Autocast, Objective, PolicyGradient, completion_logits
 from ..rewards import Completion, group_advantages, parse_reward, score
-from ..rollouts import sample_rollouts
+from ..rollouts import Rollouts, sample_rollouts
 from .base import Stage
 
 ROLLOUT_TAG = 0x67727030  # "grp0": separates the rollouts' random numbers from any other seeded stream
@@ -115,6 +115,17 @@ class GRPO(Stage):
         return {"reward_std": "groups", "rollout_tokens_per_s": "rollout_s"}.get(name)
 
 
+@dataclass
+class Sampled:
+    """A micro-batch's rollouts: the training rows, each completion as the rewards read it, the rows' input tokens
+    (for the log's throughput), and metrics of the sampler's own (sums; the stage's metric_unit says per what)."""
+
+    rows: Rollouts
+    completions: list[Completion]
+    input_tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class RolloutSampler:
     """A GRPO run's sampler: the reward's terms, the frozen reference (--beta > 0), and the step's batches."""
 
@@ -132,7 +143,6 @@ class RolloutSampler:
     def sample(self, ctx: RunContext, step: StepBatches) -> StepBatches:
         """The step's prompt micro-batches as PolicyGradient batches, with the rollouts' metrics (sums)."""
         device, seed, number, data = ctx.device, ctx.config.optim.seed, ctx.state.step, ctx.train_data
-        records = data.records
         micro, input_tokens, logged = [], 0, []
         sums: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -140,25 +150,22 @@ class RolloutSampler:
             indices = indices.tolist()
             prompts = [row[len(row) - n:] for row, n in zip(ids.tolist(), lengths.tolist())]
             keys = rollout_keys(seed, number, indices, self.group)
-            r = sample_rollouts(ctx.model, prompts, self.group, self.budget, self.stop_ids,
-                                self.tokenizer.pad_id, self.temperature, autocast=ctx.precision.autocast,
-                                row_keys=keys)
-            completions = [Completion(self.tokenizer.decode(c, skip_special_tokens=True), len(c), self.budget,
-                                      records[indices[row]]) for row, c in zip(r.prompt_rows, r.completions)]
+            sampled = self.rollout(ctx, prompts, indices, keys)
+            r, completions = sampled.rows, sampled.completions
             total, parts = score(self.terms, completions)
             advantages = group_advantages(total, self.group, self.scale_rewards)
             batch = (r.inputs, r.targets, r.old_log_probs, advantages.to(device))
             if self.reference is not None:
                 batch = (*batch, self.reference_log_probs(r.targets, r.inputs, ctx.precision.autocast))
             micro.append(batch)
-            sampled = sum(c.tokens for c in completions)
-            input_tokens += sum(len(p) for p in prompts) * self.group + sampled
+            policy_tokens = sum(c.tokens for c in completions)
+            input_tokens += sampled.input_tokens
             groups = total.view(-1, self.group)
             # sums; the log divides each by its metric_unit: rollout_tokens_per_s is the tokens sampled, over the
             # seconds this hook took (sampling, scoring and the reference's pass)
             add(sums, reward=total.sum(), completions=len(completions), groups=groups.shape[0],
                 reward_std=groups.std(dim=1, unbiased=False).sum(), truncated=sum(r.truncated),
-                completion_tokens=sampled, rollout_tokens_per_s=sampled,
+                completion_tokens=policy_tokens, rollout_tokens_per_s=policy_tokens, **sampled.metrics,
                 **{f"reward/{k}": v.sum() for k, v in parts.items()})
             if not logged:
                 logged = rollout_rows(completions, total, parts, self.group, data, indices)
@@ -167,6 +174,18 @@ class RolloutSampler:
             ctx.logger.log_rows("rollouts", number + 1, logged)
         metrics = {k: torch.tensor(float(v), device=device, dtype=torch.float64) for k, v in sums.items()}
         return StepBatches(micro, input_tokens, metrics)
+
+    def rollout(self, ctx: RunContext, prompts: list[list[int]], indices: list[int], keys: list[tuple[int, ...]]
+                ) -> Sampled:
+        """The group's completions of each prompt (the records at `indices` of the data), sampled with the rows'
+        keys: one generation per completion."""
+        records = ctx.train_data.records
+        r = sample_rollouts(ctx.model, prompts, self.group, self.budget, self.stop_ids, self.tokenizer.pad_id,
+                            self.temperature, autocast=ctx.precision.autocast, row_keys=keys)
+        completions = [Completion(self.tokenizer.decode(c, skip_special_tokens=True), len(c), self.budget,
+                                  records[indices[row]]) for row, c in zip(r.prompt_rows, r.completions)]
+        tokens = sum(len(p) for p in prompts) * self.group + sum(len(c) for c in r.completions)
+        return Sampled(r, completions, tokens)
 
     def reference_log_probs(self, targets: torch.Tensor, inputs: torch.Tensor, autocast: Autocast) -> torch.Tensor:
         """The frozen reference's log-probability of each target at the sampling temperature (0 elsewhere)."""
@@ -184,11 +203,13 @@ def add(sums: dict[str, float], **values: Any) -> None:
 
 def rollout_rows(completions: list[Completion], total: torch.Tensor, parts: dict[str, torch.Tensor], group: int,
                  data: Any, indices: list[int]) -> list[dict[str, Any]]:
-    """The first groups' prompts, completions and rewards, as rollouts.jsonl rows."""
+    """The first groups' prompts, completions and rewards, as rollouts.jsonl rows (a rollout with tools: its turns
+    too, the replies and the tools' results)."""
     rows = []
     for r, c in enumerate(completions[:LOGGED_GROUPS * group]):
         record = data.records[indices[r // group]]
         rows.append({"prompt": data.prompt_text(indices[r // group]), "answer": record.get("answer"),
                      "completion": c.text, "tokens": c.tokens, "reward": round(float(total[r]), 4),
-                     **{k: round(float(v[r]), 4) for k, v in parts.items()}})
+                     **{k: round(float(v[r]), 4) for k, v in parts.items()},
+                     **({"turns": list(c.tool_use.turns)} if c.tool_use is not None else {})})
     return rows
