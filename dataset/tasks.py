@@ -88,8 +88,8 @@ class GenerationItem:
 @dataclass(frozen=True)
 class ToolItem:
     """One tool-use item: a chat prompt offering tools (its first, system turn's "tools"), the call expected
-    first (a tool's name and arguments), the right final answers, the new-token budget of each reply and the most
-    rounds of tool calls run (model/tool_use.py)."""
+    first (a tool's name and arguments), the right final answers, the new-token budget of each reply, the most
+    rounds of tool calls run (model/tool_use.py), and its `kind` label (results are broken down by it)."""
 
     id: str
     messages: tuple[dict[str, Any], ...]
@@ -98,6 +98,7 @@ class ToolItem:
     call_arguments: dict[str, Any]
     max_new_tokens: int = DEFAULT_NEW_TOKENS
     max_rounds: int = DEFAULT_TOOL_ROUNDS
+    kind: str = ""
 
 
 @dataclass(frozen=True)
@@ -194,9 +195,10 @@ def _tool_line(record: dict[str, Any], item_id: str, where: str) -> ToolItem:
     rounds = record.get("max_tool_rounds", DEFAULT_TOOL_ROUNDS)
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         raise DataError(f'{where}: "max_tool_rounds" must be a positive integer, got {rounds!r}')
+    budget = _budget(record.get("max_new_tokens", DEFAULT_NEW_TOKENS), "max_new_tokens", where)
+    label = _string(record, "kind", where) if "kind" in record else ""
     return ToolItem(item_id, tuple(messages), _answers(record.get("answer"), "answer", where), call["name"],
-                    call["arguments"], _budget(record.get("max_new_tokens", DEFAULT_NEW_TOKENS), "max_new_tokens",
-                                               where), rounds)
+                    call["arguments"], budget, rounds, label)
 
 
 def read_task_file(path: str | Path, name: str | None = None, generate: bool = False) -> Task:

@@ -404,8 +404,8 @@ def centred_average(scores: Sequence[TaskScore]) -> float | None:
 
 
 def by_kind(score: TaskScore) -> dict[str, tuple[int, int]]:
-    """A generation task's (right, items) per kind of item (its task file's "kind" labels), in order of first
-    appearance; empty when its items have no kinds."""
+    """A generation or tool task's (right, items) per kind of item (its task file's "kind" labels), in order of
+    first appearance; empty when its items have no kinds."""
     counts: dict[str, list[int]] = {}
     for sample in score.samples:
         if "kind" in sample:
@@ -416,7 +416,8 @@ def by_kind(score: TaskScore) -> dict[str, tuple[int, int]]:
 
 
 def kind_table(scores: Sequence[TaskScore]) -> str:
-    """Each labelled generation task's accuracy by kind, as a Markdown table ("" when no task has kinds)."""
+    """Each labelled generation or tool task's accuracy by kind, as a Markdown table ("" when no task has
+    kinds)."""
     rows = [f"| {s.name} | {kind} | {n} | {right / n:.4f} |"
             for s in scores for kind, (right, n) in sorted(by_kind(s).items())]
     return "\n".join(["| task | kind | items | acc |", "|---|---|--:|--:|", *rows]) if rows else ""

@@ -121,6 +121,7 @@ class ToolTask(Protocol):
     call_arguments: dict[str, Any]
     max_new_tokens: int
     max_rounds: int
+    kind: str  # a label of the item's own ("" for none): scores are broken down by it
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def judge_tool_items(model: torch.nn.Module, items: Sequence[ToolTask], tok: Cha
                               call is not None and same_call(call, item.call_name, item.call_arguments),
                               ended and answer_right(run.final, item.answers), answer_right(bare_reply, item.answers))
         verdicts.append(verdict)
-        samples.append({"id": item.id, "turns": run.messages[len(item.messages):], "capped": run.capped,
+        samples.append({"id": item.id, **({"kind": item.kind} if item.kind else {}),
+                        "turns": run.messages[len(item.messages):], "capped": run.capped,
                         "overflow": run.overflow, "malformed": list(first.malformed), "bare_reply": bare_reply,
                         **vars(verdict)})
     return verdicts, samples

@@ -1,7 +1,9 @@
 """Build the bundled tool-call set: questions in English and Chinese that one of the bundled tools answers
-(common/tools.py: calculator, unit conversion, date arithmetic, the element table), for SFT and a held-out eval.
+(common/tools.py: calculator, unit conversion, date arithmetic, the element table), or two chained calls answer
+(the second made from the first's result: convert then multiply, count days then turn them into weeks or hours,
+look up an atomic number then multiply it), for SFT, a held-out eval and reinforcement learning.
 
-    python scripts/build_tool_demo.py          # writes dataset/demo/tools_{sft,heldout}.jsonl
+    python scripts/build_tool_demo.py   # writes dataset/demo/tools_{sft,heldout,chained_sft,chained_heldout,rl}.jsonl
 
 Each conversation offers the right tool, half of them one other too (in random order), in its system turn, the way a
 client sends `tools`; the assistant calls the right one with the right arguments, the tool's real result comes
@@ -12,10 +14,14 @@ both forms.
     tools_sft.jsonl      {"conversations": [system + tools, user, assistant + tool_calls, tool, assistant], ...}
     tools_heldout.jsonl  {"conversations": [system + tools, user], "answer": "84",
                           "tool_call": {"name": "calculator", "arguments": {"expression": "347 * 29"}}, ...}
+    tools_chained_sft.jsonl, tools_chained_heldout.jsonl    the same for the chained questions: two call-and-
+                         result rounds before the answer; a held-out item's "tool_call" is the first call
+    tools_rl.jsonl       prompts as the held-out files write them, both kinds, for train_agent.py
 
 The held-out file is a tool task for eval_model.py --task_file (tool-call accuracy and the answer reached with
-and without tools); no held-out question is asked in the SFT file. Everything is generated here with --seed; the
-answers are the tools' own results, so they are right by construction. Rerunning writes identical bytes.
+and without tools, by kind); no held-out question is asked in the SFT or the RL file. Everything is generated
+here with --seed; the answers are the tools' own results, so they are right by construction. Rerunning writes
+identical bytes.
 """
 from __future__ import annotations
 
@@ -55,14 +61,26 @@ Question = dict[str, Any]  # kind, lang, question, call (name, arguments), reaso
 def question(kind: str, lang: str, text: str, name: str, arguments: dict[str, Any], reasoning: str,
              reply: Callable[[dict[str, Any]], tuple[str, str]]) -> Question:
     """A question with its call; the answer and the final reply come from running the call."""
+    result = call_result(name, arguments)
+    said, answer = reply(result)
+    return finished(kind, lang, text, [(name, arguments, result)], reasoning, said, answer)
+
+
+def call_result(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """What the bundled tool returns for this call (a call that fails is a bug of this script, never data)."""
     result = json.loads(run_tool(ToolCall(name, arguments)))
     if "error" in result:
-        raise AssertionError(f"{name}{arguments}: {result['error']}")  # a generator bug, never the data
-    said, answer = reply(result)
+        raise AssertionError(f"{name}{arguments}: {result['error']}")
+    return result
+
+
+def finished(kind: str, lang: str, text: str, calls: list[tuple[str, dict[str, Any], dict[str, Any]]],
+             reasoning: str, said: str, answer: Any) -> Question:
+    """A question with its calls (name, arguments, result) in order, and the final reply stating the answer."""
     final = f"{said} The answer is {answer}." if lang == "en" else f"{said}答案是 {answer}。"
-    return {"kind": kind, "lang": lang, "question": text, "name": name, "arguments": arguments,
-            "reasoning": reasoning, "result": json.dumps(result, ensure_ascii=False), "answer": str(answer),
-            "reply": final}
+    return {"kind": kind, "lang": lang, "question": text, "name": calls[0][0], "arguments": calls[0][1],
+            "calls": [{"name": n, "arguments": a, "result": json.dumps(r, ensure_ascii=False)} for n, a, r in calls],
+            "reasoning": reasoning, "answer": str(answer), "reply": final}
 
 
 def arithmetic(rng: random.Random, lang: str) -> Question:
@@ -180,12 +198,82 @@ def element(rng: random.Random, lang: str) -> Question:
 MAKERS = (arithmetic, conversion, date_shift, date_span, element)
 
 
-def generate(n: int, rng: random.Random, held: set[str], hold: bool) -> list[Question]:
-    """n questions, the kinds and languages in turn, none whose text is in `held`. hold=True: all different,
-    and added to `held`; else a question may come twice (the element table has 240 questions in all)."""
+# ---------------------------------------------------------------- chained: two calls, the second from the first
+def chain(first: tuple[str, dict[str, Any]], then: Callable[[dict[str, Any]], dict[str, Any]]
+          ) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """A call, then the calculator on an expression made from its result: both calls with their real results."""
+    result = call_result(*first)
+    second = then(result)
+    return [(*first, result), ("calculator", second, call_result("calculator", second))]
+
+
+def convert_then_calculate(rng: random.Random, lang: str) -> Question:
+    """A quantity per item, converted, then multiplied by the count: convert_units, then the calculator."""
+    src, dst = rng.sample(rng.choice(DIMENSIONS[:3]), 2)  # no temperatures: multiplying one makes no sense
+    value, count = round(rng.uniform(0.5, 50), 1), rng.randint(2, 12)
+    (_, s_pl, s_zh), (_, d_pl, d_zh) = UNIT_NAMES[src], UNIT_NAMES[dst]
+    if lang == "en":
+        text = rng.choice((f"Each box holds {value} {s_pl}. How many {d_pl} do {count} boxes hold?",
+                           f"One lap is {value} {s_pl}. How many {d_pl} are {count} laps?"))
+        reason = f"First convert {value} {src} to {dst} with convert_units, then multiply by {count}."
+    else:
+        text = rng.choice((f"每箱装 {value} {s_zh}，{count} 箱一共多少{d_zh}？",
+                           f"一圈是 {value} {s_zh}，{count} 圈是多少{d_zh}？"))
+        reason = f"先用 convert_units 把 {value} {src} 换算成 {dst}，再乘以 {count}。"
+    calls = chain(("convert_units", {"value": value, "from_unit": src, "to_unit": dst}),
+                  lambda converted: {"expression": f"{converted['result']} * {count}"})
+    converted, total = calls[0][2]["result"], calls[1][2]["result"]
+    said = (f"{value} {s_pl} is {converted} {d_pl}, and {count} of them make {total} {d_pl}." if lang == "en"
+            else f"{value} {s_zh}等于 {converted} {d_zh}，{count} 份一共 {total} {d_zh}。")
+    return finished("convert_then_calculate", lang, text, calls, reason, said, total)
+
+
+def days_then_calculate(rng: random.Random, lang: str) -> Question:
+    """A span in weeks or hours: days_between, then the calculator."""
+    start, end = sorted((random_date(rng), random_date(rng)))
+    hours = rng.random() < 0.5
+    unit_en, unit_zh = ("hours", "小时") if hours else ("weeks", "周")
+    if lang == "en":
+        text = f"How many {unit_en} are there from {start} to {end}?"
+        reason = f"Count the days with days_between, then convert them to {unit_en} with the calculator."
+    else:
+        text = f"从 {start} 到 {end} 有多少{unit_zh}？"
+        reason = f"先用 days_between 算天数，再用计算器换算成{unit_zh}。"
+    calls = chain(("days_between", {"start": start, "end": end}),
+                  lambda r: {"expression": f"{r['days']} * 24" if hours else f"{r['days']} / 7"})
+    days, total = calls[0][2]["days"], calls[1][2]["result"]
+    said = (f"There are {days} days from {start} to {end}, which is {total} {unit_en}." if lang == "en"
+            else f"从 {start} 到 {end} 有 {days} 天，即 {total} {unit_zh}。")
+    return finished("days_then_calculate", lang, text, calls, reason, said, total)
+
+
+def element_then_calculate(rng: random.Random, lang: str) -> Question:
+    """A multiple of an element's atomic number: lookup_element, then the calculator."""
+    _, _, english, chinese = rng.choice(ELEMENTS)
+    count = rng.randint(2, 9)
+    name = english if lang == "en" else chinese
+    if lang == "en":
+        text = f"What is {count} times the atomic number of {english}?"
+        reason = f"Look up {english} with lookup_element, then multiply its atomic number by {count}."
+    else:
+        text = f"{chinese}的原子序数乘以 {count} 是多少？"
+        reason = f"先用 lookup_element 查{chinese}，再把原子序数乘以 {count}。"
+    calls = chain(("lookup_element", {"name": name}), lambda r: {"expression": f"{r['atomic_number']} * {count}"})
+    number, total = calls[0][2]["atomic_number"], calls[1][2]["result"]
+    said = (f"The atomic number of {english} is {number}; {count} times that is {total}." if lang == "en"
+            else f"{chinese}的原子序数是 {number}，乘以 {count} 是 {total}。")
+    return finished("element_then_calculate", lang, text, calls, reason, said, total)
+
+
+CHAINED = (convert_then_calculate, days_then_calculate, element_then_calculate)
+
+
+def generate(n: int, rng: random.Random, held: set[str], hold: bool, makers: tuple = MAKERS) -> list[Question]:
+    """n questions, the kinds (`makers`) and languages in turn, none whose text is in `held`. hold=True: all
+    different, and added to `held`; else a question may come twice (the element table has 240 questions in all)."""
     out: list[Question] = []
     while len(out) < n:
-        maker, lang = MAKERS[len(out) % len(MAKERS)], ("en", "zh")[(len(out) // len(MAKERS)) % 2]
+        maker, lang = makers[len(out) % len(makers)], ("en", "zh")[(len(out) // len(makers)) % 2]
         q = maker(rng, lang)
         if q["question"] not in held:
             if hold:
@@ -195,10 +283,13 @@ def generate(n: int, rng: random.Random, held: set[str], hold: bool) -> list[Que
 
 
 def offered_tools(q: Question, rng: random.Random) -> list[dict[str, Any]]:
-    """The right tool, and in half the conversations one other, shuffled: a model must read which one fits.
+    """The tools the question needs, and in half the one-call conversations one other, shuffled: a model must read
+    which ones fit.
     (Each signature costs 90-150 prompt tokens with the shipped tokenizer: more would not fit a 512-token SFT.)"""
-    others = [name for name in BUNDLED if name != q["name"]]
-    names = [q["name"]] + rng.sample(others, rng.randint(0, 1))
+    needed = list(dict.fromkeys(call["name"] for call in q["calls"]))
+    others = [name for name in BUNDLED if name not in needed]
+    # a chained question's two tools are already a choice to read, and a third would overflow the demo's context
+    names = needed + (rng.sample(others, rng.randint(0, 1)) if len(needed) == 1 else [])
     rng.shuffle(names)
     return tool_schemas(names)
 
@@ -209,12 +300,14 @@ def prompt(q: Question, rng: random.Random) -> list[dict[str, Any]]:
 
 
 def sft_record(q: Question, rng: random.Random) -> dict[str, Any]:
-    call: dict[str, Any] = {"role": "assistant", "content": "",
-                            "tool_calls": [{"name": q["name"], "arguments": q["arguments"]}]}
+    turns: list[dict[str, Any]] = []
+    for call in q["calls"]:  # a chained question: the next call is made from the last one's result
+        turns += [{"role": "assistant", "content": "",
+                   "tool_calls": [{"name": call["name"], "arguments": call["arguments"]}]},
+                  {"role": "tool", "content": call["result"]}]
     if rng.random() < 1 / 3:
-        call["reasoning_content"] = q["reasoning"]
-    return {"conversations": prompt(q, rng) + [call, {"role": "tool", "content": q["result"]},
-                                                  {"role": "assistant", "content": q["reply"]}],
+        turns[0]["reasoning_content"] = q["reasoning"]
+    return {"conversations": prompt(q, rng) + turns + [{"role": "assistant", "content": q["reply"]}],
             "kind": q["kind"], "lang": q["lang"]}
 
 
@@ -231,12 +324,16 @@ def write(path: Path, records: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default=str(ROOT / "dataset" / "demo"))
-    p.add_argument("--train", type=int, default=6000, help="SFT conversations")
-    p.add_argument("--heldout", type=int, default=200, help="held-out questions")
+    p.add_argument("--train", type=int, default=6000, help="SFT conversations with one call")
+    p.add_argument("--heldout", type=int, default=200, help="held-out questions with one call")
+    p.add_argument("--chained_train", type=int, default=1500, help="SFT conversations with two chained calls")
+    p.add_argument("--chained_heldout", type=int, default=60, help="held-out questions with two chained calls")
+    p.add_argument("--rl", type=int, default=1200, help="RL prompts (both kinds), none of them held out")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.train < 1 or args.heldout < 1:
-        print("error: --train and --heldout must be at least 1", file=sys.stderr)
+    if min(args.train, args.heldout, args.chained_train, args.chained_heldout, args.rl) < 1:
+        print("error: --train, --heldout, --chained_train, --chained_heldout and --rl must be at least 1",
+              file=sys.stderr)
         return 2
     if args.heldout > 400:  # a fifth are element questions, of which there are 240, half kept for training
         print("error: --heldout is at most 400", file=sys.stderr)
@@ -244,11 +341,24 @@ def main(argv: list[str] | None = None) -> int:
     rng, asked = random.Random(args.seed), set()
     held = generate(args.heldout, rng, asked, hold=True)  # first, so that training never asks a held-out question
     train = generate(args.train, rng, asked, hold=False)
+    sft = [sft_record(q, rng) for q in train]
+    heldout = [heldout_record(q, rng) for q in held]
+    # the chained questions and the RL prompts draw from streams of their own: the one-call records above stay
+    # what they were before these existed
+    chain_rng = random.Random(args.seed + 1)
+    held_chained = generate(args.chained_heldout, chain_rng, asked, hold=True, makers=CHAINED)
+    train_chained = generate(args.chained_train, chain_rng, asked, hold=False, makers=CHAINED)
+    chained_sft = [sft_record(q, chain_rng) for q in train_chained]
+    chained_heldout = [heldout_record(q, chain_rng) for q in held_chained]
+    rl_rng = random.Random(args.seed + 2)
+    rl = [heldout_record(q, rl_rng) for q in generate(args.rl, rl_rng, asked, hold=False, makers=MAKERS + CHAINED)]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write(out / "tools_sft.jsonl", [sft_record(q, rng) for q in train])
-    write(out / "tools_heldout.jsonl", [heldout_record(q, rng) for q in held])
-    print(f"{len(train)} SFT conversations and {len(held)} held-out questions -> {out}/tools_{{sft,heldout}}.jsonl")
+    files = {"tools_sft.jsonl": sft, "tools_heldout.jsonl": heldout, "tools_chained_sft.jsonl": chained_sft,
+             "tools_chained_heldout.jsonl": chained_heldout, "tools_rl.jsonl": rl}
+    for name, written in files.items():
+        write(out / name, written)
+    print(", ".join(f"{name} {len(written)}" for name, written in files.items()) + f" -> {out}")
     return 0
 
 

@@ -325,17 +325,43 @@ def records(name: str) -> list[dict]:
     return [json.loads(line) for line in open(DEMO / name, encoding="utf-8")]
 
 
+BUNDLED_FILES = ("tools_sft.jsonl", "tools_heldout.jsonl", "tools_chained_sft.jsonl", "tools_chained_heldout.jsonl",
+                 "tools_rl.jsonl")
+CHAINED_KINDS = {"convert_then_calculate", "days_then_calculate", "element_then_calculate"}
+
+
 def test_bundled_set_is_reproducible(tmp_path):
     assert build_tool_demo.main(["--out_dir", str(tmp_path)]) == 0
-    for name in ("tools_sft.jsonl", "tools_heldout.jsonl"):
+    for name in BUNDLED_FILES:
         assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name
 
 
 def test_bundled_heldout_questions_are_never_trained_on():
-    asked = {r["conversations"][1]["content"] for r in records("tools_sft.jsonl")}
-    held = [r["conversations"][1]["content"] for r in records("tools_heldout.jsonl")]
-    assert len(set(held)) == len(held) == 200
-    assert not asked & set(held)
+    def questions(*names: str) -> list[str]:
+        return [r["conversations"][1]["content"] for name in names for r in records(name)]
+
+    asked = set(questions("tools_sft.jsonl", "tools_chained_sft.jsonl", "tools_rl.jsonl"))
+    held, chained = questions("tools_heldout.jsonl"), questions("tools_chained_heldout.jsonl")
+    assert len(set(held)) == len(held) == 200 and len(set(chained)) == len(chained) == 60
+    assert not asked & set(held + chained)
+    kinds = {r["kind"] for r in records("tools_rl.jsonl")}
+    assert CHAINED_KINDS < kinds and len(kinds) == 8  # the RL prompts hold every kind
+    assert {r["kind"] for r in records("tools_chained_heldout.jsonl")} == CHAINED_KINDS
+
+
+def test_bundled_chained_conversations_make_the_second_call_from_the_first_result():
+    for r in records("tools_chained_sft.jsonl")[:300]:
+        messages = r["conversations"]
+        offered = {t["function"]["name"] for t in messages[0]["tools"]}
+        calls = [m["tool_calls"][0] for m in messages if m.get("tool_calls")]
+        results = [json.loads(m["content"]) for m in messages if m["role"] == "tool"]
+        assert r["kind"] in CHAINED_KINDS and len(calls) == len(results) == 2 and {c["name"] for c in calls} == offered
+        for c, result in zip(calls, results):
+            assert result == json.loads(run_tool(ToolCall(c["name"], c["arguments"])))
+        first = next(v for k, v in results[0].items() if k in ("result", "days", "atomic_number"))
+        assert calls[1]["name"] == "calculator" and calls[1]["arguments"]["expression"].startswith(f"{first} ")
+        answer = messages[-1]["content"].rsplit(" ", 1)[-1].rstrip(".。")
+        assert answer == str(results[1]["result"]), r
 
 
 def test_bundled_answers_are_the_tools_results_and_calls_fit_the_question():
@@ -364,6 +390,8 @@ def test_bundled_answers_are_the_tools_results_and_calls_fit_the_question():
 def test_bundled_conversations_fit_the_recipe_context(tokenizer):
     longest = max(len(tokenizer.encode_chat(r["conversations"])[0]) for r in records("tools_sft.jsonl"))
     assert longest <= 672  # recipes/demo-tool-sft.yaml's max_seq_len: nothing is cut
+    chained = max(len(tokenizer.encode_chat(r["conversations"])[0]) for r in records("tools_chained_sft.jsonl"))
+    assert chained <= 768  # recipes/demo-agent-sft.yaml's
 
 
 # ---------------------------------------------------------------------- eval_model.py --tools
