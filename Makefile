@@ -14,7 +14,7 @@ DEMO_SFT_STEPS ?=
 DEMO_START := $(shell date +%s)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: install install-dev test test-fast lint demo demo-post demo-rl demo-tools demo-moe bench
+.PHONY: install install-dev test test-fast lint demo demo-post demo-rl demo-tools demo-agent demo-moe bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
@@ -125,6 +125,19 @@ demo-tools: install
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-tool-pass2-sft --task_file dataset/demo/tools_heldout.jsonl
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-tool-pass2-sft --tools --temperature 0 --max_new_tokens 128 \
 		--prompt "What is 347 * 29?" --prompt "2026-03-14 之后 45 天是哪一天？"
+
+# Agentic RL on the demo SFT model (after `make demo`): a short tool SFT on one-call and chained conversations
+# (recipes/demo-agent-sft.yaml), then GRPO on rollouts that call the bundled tools (recipes/demo-agent.yaml,
+# train_agent.py), the held-out questions of both kinds answered end to end with the tools (by kind) before and after.
+AGENT_HELDOUT := --task_file dataset/demo/tools_heldout.jsonl dataset/demo/tools_chained_heldout.jsonl
+demo-agent: install
+	$(PYTHON) train_full_sft.py --config recipes/demo-agent-sft.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-sft
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-agent-sft $(AGENT_HELDOUT)
+	$(PYTHON) train_agent.py --config recipes/demo-agent.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-agent-sft
+	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-agent $(AGENT_HELDOUT)
+	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-agent
 
 # A mixture of experts on the demo corpus (recipes/demo-moe-pretrain.yaml: the demo model's shape, 8 experts top-2 at the
 # dense model's compute), then the same with auxiliary-loss-free balancing; perplexity and each layer's router load

@@ -209,19 +209,24 @@ def test_bench_tasks_times_ours_and_lm_eval_on_the_same_items(tmp_path):
     assert result["ours_acc"] == result["lm_eval_acc"] is not None  # the same scores, or the timing means nothing
 
 
-def test_bench_rollouts_compares_batched_with_one_at_a_time(tmp_path):
-    """RL rollouts, batched and one sequence at a time, on a tiny chat checkpoint and the bundled prompts."""
+@pytest.mark.parametrize("tools", [False, True])
+def test_bench_rollouts_compares_batched_with_one_at_a_time(tmp_path, tools):
+    """RL rollouts, batched and one sequence at a time, on a tiny chat checkpoint and the bundled prompts; with
+    --tools, rollouts that may call the bundled tools, on the tool prompts."""
     from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
     from model import PocketLM
     from model.loading import save_model
 
     from conftest import tiny_config
-    save_model(PocketLM(tiny_config(vocab_size=6400)), tmp_path / "m", tokenizer_dir=DEFAULT_TOKENIZER_DIR)
+    save_model(PocketLM(tiny_config(vocab_size=6400, max_position_embeddings=1024)), tmp_path / "m",
+               tokenizer_dir=DEFAULT_TOKENIZER_DIR)
     out = tmp_path / "rollouts.json"
     assert bench_module("bench_rollouts").main(["--checkpoint", str(tmp_path / "m"), "--prompts", "2", "--group", "2",
-                                                "--new_tokens", "4", "--repeats", "1", "--out", str(out)]) == 0
+                                                "--new_tokens", "4", "--repeats", "1", "--out", str(out),
+                                                *(["--tools", "--rounds", "2"] if tools else [])]) == 0
     report = json.loads(out.read_text())
     assert (report["prompts"], report["group"], report["new_tokens"]) == (2, 2, 4) and "cores" in report["machine"]
+    assert report["tools"] is tools and report["data"].endswith("tools_rl.jsonl" if tools else "math_train.jsonl")
     assert report["batched_tokens_per_s"] > 0 and report["one_at_a_time_tokens_per_s"] > 0
     assert report["speedup"] == pytest.approx(report["batched_tokens_per_s"] / report["one_at_a_time_tokens_per_s"],
                                               rel=0.01)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import eval_model
+import train_agent
 import train_distillation
 import train_dpo
 import train_full_sft
@@ -111,7 +112,7 @@ def test_every_recipe_parses_for_its_stage():
         stage = recipe_stage(path)
         config = parse_train_config(stage, ["--config", str(path)], "")
         assert recipe_values(path, stage), path
-        trains_on_a_model = stage in ("sft", "lora", "dpo", "grpo")
+        trains_on_a_model = stage in ("sft", "lora", "dpo", "grpo", "agent")
         assert (config.model.init_from is not None) == trains_on_a_model or stage == "distill", path
         assert (getattr(config.objective, "teacher", None) is not None) == (stage == "distill"), path
     gpt2 = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/gpt2-100m-pretrain.yaml")], "")
@@ -172,14 +173,14 @@ def test_every_recipe_trains_two_steps(corpus, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join((ROOT / "dataset/demo/math_train.jsonl").read_text().splitlines(True)[:40]))
     scripts = {"lora": train_lora.main, "dpo": train_dpo.main, "distill": train_distillation.main,
-               "grpo": train_grpo.main}
+               "grpo": train_grpo.main, "agent": train_agent.main}
     for path in [p for p in RECIPES if recipe_stage(p) in scripts]:
         stage = recipe_stage(path)
         recipe = recipe_values(path, stage)
         chat = stage == "lora" or "sft" in recipe["data_path"][0]  # distillation takes either kind
-        data = {"dpo": pairs, "grpo": prompts}.get(stage) or corpus["sft" if chat else "pretrain"]
+        data = {"dpo": pairs, "grpo": prompts, "agent": prompts}.get(stage) or corpus["sft" if chat else "pretrain"]
         args = [*small, "--data_path", str(data)]
-        if stage == "grpo":  # a prompt and its completion within the context; no held-out task in a smoke test
+        if stage in ("grpo", "agent"):  # a prompt and its completion within the context; no held-out task here
             args += ["--max_seq_len", "64", "--max_completion_tokens", "8", "--eval_tasks", "none"]
         for key in ("init_from", "teacher"):
             if recipe.get(key):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 
 import pytest
@@ -9,24 +10,19 @@ import pytest
 import eval_model
 import model.__main__ as model_main
 import serve_openai_api
-import train_distillation
-import train_dpo
 import train_full_sft
-import train_grpo
-import train_lora
-import train_pretrain
 import train_tokenizer
 from dataset import cache, clean, inspect
 from launch import slurm
 from model import convert
+from trainer_utils.stages import STAGES
 
 from conftest import ROOT
 
 LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch", "serving")
            for p in (ROOT / d).rglob("*.py")]
-ENTRY_POINTS = {"train_pretrain.py": train_pretrain.main, "train_full_sft.py": train_full_sft.main,
-                "train_lora.py": train_lora.main, "train_dpo.py": train_dpo.main,
-                "train_distillation.py": train_distillation.main, "train_grpo.py": train_grpo.main,
+# every training script (one per registered stage), then the other entry points
+ENTRY_POINTS = {**{s.script: importlib.import_module(s.script.removesuffix(".py")).main for s in STAGES.values()},
                 "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,
                 "dataset.inspect": inspect.main, "model": model_main.main,
                 "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main,

@@ -145,11 +145,13 @@ def test_stages_with_a_setting_of_one_name_each_declare_their_own():
         return found
 
     beta, temperature = declared("beta"), declared("temperature")
-    assert set(beta) == {"dpo", "grpo"} and set(temperature) == {"distill", "grpo"}
-    assert beta["dpo"][:3] == (0.1, 0, None) and beta["grpo"][:3] == (0.0, None, 0)  # DPO's must be > 0
+    # the agent stage is GRPO with tools: its options extend GRPO's (one declaration, inherited)
+    assert set(beta) == {"dpo", "grpo", "agent"} and set(temperature) == {"distill", "grpo", "agent"}
+    assert beta["dpo"][:3] == (0.1, 0, None) and beta["grpo"][:3] == beta["agent"][:3] == (0.0, None, 0)
     assert temperature["distill"][0] == 1.5 and temperature["grpo"][0] == 1.0
     assert "T^2" in temperature["distill"][3] and "sampled" in temperature["grpo"][3]
-    assert set(declared("label_smoothing")) == {"dpo"} and set(declared("num_generations")) == {"grpo"}
+    assert set(declared("label_smoothing")) == {"dpo"} and set(declared("num_generations")) == {"grpo", "agent"}
+    assert set(declared("max_rounds")) == {"agent"}
 
 
 @pytest.mark.parametrize("name", sorted(STAGES))

@@ -5,6 +5,7 @@ becomes its checked configuration.
     lora      sft's data and loss, LoRA adapters    dpo      preference pairs against the start model
     distill   either kind, a frozen teacher's KL beside the labels' cross-entropy
     grpo      prompts with checked answers, sampled completions rewarded by checks (GRPO / CISPO)
+    agent     grpo with rollouts that call tools, rewarded by the checked final answer
 
 A new stage is a module here with a Stage subclass (and its options), one line in STAGES, and its script; the
 loop, the session, the config and the other stages stay as they are.
@@ -15,6 +16,7 @@ from common.config import parse_config
 from common.errors import ConfigError
 
 from ..config import TrainConfig
+from .agent import AgentRL
 from .base import Stage, StepBatches
 from .distill import Distill
 from .dpo import PreferenceOptimization
@@ -23,7 +25,7 @@ from .pretrain import Pretrain
 from .sft import SFT, LoRA
 
 STAGES: dict[str, Stage] = {s.name: s for s in (Pretrain(), SFT(), LoRA(), PreferenceOptimization(), Distill(),
-                                                     GRPO())}
+                                                     GRPO(), AgentRL())}
 
 
 def get_stage(stage: Stage | str) -> Stage:

@@ -1,0 +1,211 @@
+"""Rollouts that call tools (trainer_utils/rollouts.py sample_tool_rollouts) and what the agent stage reads of its
+prompts: the token sequence is the template's, only the replies are trained, the round cap, malformed calls,
+unknown or unoffered tools, replies cut off, rollouts that outgrow the context, keyed sampling, the rewards, and
+prompt files that offer bad or unknown tools. The training runs themselves: tests/test_agent_training.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import trainer_utils.rollouts as rollouts_mod
+from common.errors import DataError
+from common.tokens import IGNORE_INDEX
+from common.tools import BUNDLED, tool_schemas
+from dataset.jsonl import read_records
+from dataset.prompts import PromptDataset
+from model import PocketLM
+from trainer_utils.rewards import BUILTIN, Completion
+from trainer_utils.rollouts import keyed_uniforms, sample_tool_rollouts
+from trainer_utils.stages.agent import offered_tools
+
+from conftest import ROOT, tiny_config, write_jsonl
+
+CALC = {"calculator": BUNDLED["calculator"]}
+
+
+def call(name: str, **arguments) -> str:
+    return '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + "}\n</tool_call>"
+
+
+def prompt_messages(question: str = "What is 2 + 3?", tools: tuple[str, ...] = ("calculator",)) -> list[dict]:
+    return [{"role": "system", "content": "", "tools": tool_schemas(list(tools))},
+            {"role": "user", "content": question}]
+
+
+class Scripted:
+    """Stands in for model.generate: each row's reply is its script's entry for the round it is in (the number of
+    tool results its prompt holds so far), encoded with the tokenizer and ended by <|im_end|>, or cut at the
+    token budget; every sampled token's log-probability is -0.5. A script may be {text in the prompt: script}.
+    Records each call's rows and uniforms."""
+
+    def __init__(self, tok, script: list[str] | dict[str, list[str]], end: bool = True) -> None:
+        self.tok, self.script, self.end, self.calls = tok, script, end, []
+
+    def __call__(self, model, prompts, max_new_tokens, temperature=1.0, pad_token_id=0, stop=None, uniforms=None,
+                 log_probs=None):
+        self.calls.append(([list(p) for p in prompts], uniforms))
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p)
+            script = self.script if isinstance(self.script, list) else \
+                next(v for k, v in self.script.items() if k in text)
+            round_ = text.count("<tool_response>")
+            ids = self.tok.encode(script[min(round_, len(script) - 1)]) + [self.tok.im_end_id] * self.end
+            out.append(ids[:max_new_tokens])
+            log_probs.append([-0.5] * len(out[-1]))
+        return out
+
+
+@pytest.fixture
+def model():
+    return torch.nn.Linear(1, 1)  # sample_tool_rollouts reads only its device; generation is scripted
+
+
+def rollout(monkeypatch, tok, script, model, tools=(CALC,), group=1, max_rounds=3, max_new_tokens=64,
+            max_len=2048, end=True, keys=None, question="What is 2 + 3?"):
+    fake = Scripted(tok, script, end)
+    monkeypatch.setattr(rollouts_mod, "generate", fake)
+    prompts = [tok.chat_prompt(prompt_messages(question)) for _ in tools]
+    out = sample_tool_rollouts(model, prompts, group, max_new_tokens, max_rounds, max_len, tok, list(tools),
+                               row_keys=keys)
+    return out, prompts, fake
+
+
+def test_the_training_row_is_the_templates_conversation_and_only_replies_are_targets(monkeypatch, tokenizer, model):
+    script = [call("calculator", expression="2 + 3"), "2 + 3 = 5. The answer is 5."]
+    out, [prompt], _ = rollout(monkeypatch, tokenizer, script, model)
+    use = out.uses[0]
+    assert (use.calls, use.errors, use.malformed, use.answered) == (1, 0, 0, True)
+    assert out.finals == ["2 + 3 = 5. The answer is 5."]
+    assert [m["role"] for m in use.turns] == ["assistant", "tool", "assistant"]
+    assert json.loads(use.turns[1]["content"]) == {"result": 5}
+    # the whole row, token for token, is what the chat template writes for the finished conversation
+    conversation = prompt_messages() + list(use.turns)
+    expected = tokenizer.encode_chat(conversation)[0][:-1]  # up to the last reply's <|im_end|>
+    row = out.rows
+    n = len(expected) - 1
+    sequence = torch.cat([row.inputs[0, :n], row.targets[0, n - 1:n]]).tolist()
+    assert sequence == expected
+    # the targets are the replies' tokens (their <|im_end|> included), nothing of the prompt or the tool's turn
+    labelled = tokenizer.encode_chat(conversation)[1][1:len(expected)]
+    targets = row.targets[0, :n]
+    assert [t != IGNORE_INDEX for t in targets.tolist()] == labelled
+    assert out.policy_tokens == [sum(labelled)]
+    old = row.old_log_probs[0, :n]
+    assert (old[targets != IGNORE_INDEX] == -0.5).all() and (old[targets == IGNORE_INDEX] == 0).all()
+    assert (row.targets[0, n:] == IGNORE_INDEX).all()  # the padding
+
+
+def test_tool_results_ids_are_what_the_template_writes_after_a_turn(tokenizer):
+    """Every tool round of the bundled chained SFT conversations: prompt + reply + tool_results(...) equals the
+    template's encoding of the conversation up to the next reply."""
+    for line in (ROOT / "dataset/demo/tools_chained_sft.jsonl").read_text(encoding="utf-8").splitlines()[:20]:
+        turns = json.loads(line)["conversations"]
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant" or not turn.get("tool_calls"):
+                continue
+            j = next(k for k in range(i + 1, len(turns) + 1) if k == len(turns) or turns[k]["role"] != "tool")
+            before = tokenizer.chat_prompt(turns[:i])
+            reply = tokenizer.encode_chat(turns[:i + 1])[0][len(before):-1]  # through <|im_end|>
+            assert reply[-1] == tokenizer.im_end_id
+            assert before + reply + tokenizer.tool_results(turns[i + 1:j]) == tokenizer.chat_prompt(turns[:j])
+
+
+def test_a_rollout_that_keeps_calling_is_capped_with_no_answer(monkeypatch, tokenizer, model):
+    out, _, fake = rollout(monkeypatch, tokenizer, [call("calculator", expression="1 + 1")], model, max_rounds=2)
+    use = out.uses[0]
+    assert use.capped and not use.answered and use.calls == 2 and out.finals == [""]
+    assert len(fake.calls) == 3  # two rounds of calls run, the third reply's calls not
+    assert [m["role"] for m in use.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    completion = Completion("", out.policy_tokens[0], 64, {"answer": "2"}, use)
+    assert BUILTIN["exact"](completion) == 0 and BUILTIN["tool_use"](completion) == 0
+
+
+def test_malformed_calls_unknown_and_unoffered_tools_are_outcomes_not_errors(monkeypatch, tokenizer, model):
+    script = ["<tool_call>\nnot json\n</tool_call>"]
+    out, _, _ = rollout(monkeypatch, tokenizer, script, model)
+    use = out.uses[0]
+    assert (use.calls, use.malformed, use.answered) == (0, 1, True)  # no call: the reply is the answer
+    for name, why in (("weather", "unknown tool"), ("add_days", "unknown tool")):  # add_days: bundled, not offered
+        script = [call(name, date="2024-01-01", days=3), "The answer is 5."]
+        out, _, _ = rollout(monkeypatch, tokenizer, script, model)
+        use = out.uses[0]
+        assert (use.calls, use.errors, use.answered) == (1, 1, True), name
+        assert why in json.loads(use.turns[1]["content"])["error"]
+        completion = Completion(out.finals[0], out.policy_tokens[0], 64, {"answer": "5"}, use)
+        assert BUILTIN["exact"](completion) == 1 and BUILTIN["tool_use"](completion) == 0  # the error costs it
+
+
+def test_a_reply_cut_off_by_its_budget_ends_the_rollout_unanswered(monkeypatch, tokenizer, model):
+    script = [call("calculator", expression="2 + 3")]
+    out, _, _ = rollout(monkeypatch, tokenizer, script, model, max_new_tokens=8)
+    use = out.uses[0]
+    assert use.cut and not use.answered and use.calls == 0 and out.finals == [""] and out.rows.truncated == [True]
+
+
+def test_a_rollout_stops_when_its_next_reply_might_not_fit(monkeypatch, tokenizer, model):
+    prompt = tokenizer.chat_prompt(prompt_messages())
+    script = [call("calculator", expression="2 + 3"), "The answer is 5."]
+    out, _, fake = rollout(monkeypatch, tokenizer, script, model, max_len=len(prompt) + 64 + 10)
+    use = out.uses[0]
+    assert use.overflow and use.calls == 1 and not use.answered and len(fake.calls) == 1
+
+
+def test_rounds_are_keyed_per_row_whatever_the_batch(monkeypatch, tokenizer, model):
+    """Round k of row r draws with the key (*row_keys[r], k): the numbers do not depend on which rows share the
+    batch (here one row ends after its first reply, the other goes on alone)."""
+    keys = [(1, 2, 3, 0, 0), (1, 2, 3, 1, 0)]
+    fake = Scripted(tokenizer, {"2 + 3": [call("calculator", expression="2 + 3"), "The answer is 5."],
+                                "4 + 4": ["The answer is 8."]})
+    monkeypatch.setattr(rollouts_mod, "generate", fake)
+    prompts = [tokenizer.chat_prompt(prompt_messages()), tokenizer.chat_prompt(prompt_messages("What is 4 + 4?"))]
+    out = sample_tool_rollouts(model, prompts, 1, 64, 3, 2048, tokenizer, [CALC, CALC], row_keys=keys)
+    assert out.finals == ["The answer is 5.", "The answer is 8."]
+    (rows_1, first), (rows_2, second) = fake.calls
+    assert len(rows_1) == 2 and len(rows_2) == 1
+    assert torch.equal(first, keyed_uniforms([(*k, 0) for k in keys], 64, "cpu"))
+    assert torch.equal(second, keyed_uniforms([(*keys[0], 1)], 64, "cpu"))
+
+
+def test_real_sampling_of_a_row_does_not_depend_on_its_batch_mates(tokenizer):
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config(vocab_size=tokenizer.vocab_size, max_position_embeddings=1024)).eval()
+    prompts = [tokenizer.chat_prompt(prompt_messages(q)) for q in ("What is 2 + 3?", "计算 7 * 8。")]
+    keys = [(5, 1, 0, i, g) for i in range(2) for g in range(2)]
+    both = sample_tool_rollouts(model, prompts, 2, 12, 2, 1024, tokenizer, [CALC, CALC], row_keys=keys)
+    alone = sample_tool_rollouts(model, prompts[1:], 2, 12, 2, 1024, tokenizer, [CALC], row_keys=keys[2:])
+    assert both.rows.completions[2:] == alone.rows.completions
+    w = alone.rows.old_log_probs.shape[1]
+    torch.testing.assert_close(both.rows.old_log_probs[2:, :w], alone.rows.old_log_probs, atol=1e-6, rtol=0)
+    assert both.rows.completions[0] != both.rows.completions[1]  # each member of a group draws its own
+
+
+def test_the_tool_use_reward_pays_only_well_formed_calls_that_led_to_an_answer():
+    from trainer_utils.rewards import ToolUse
+    done = ToolUse((), calls=2, malformed=0, errors=0)
+    for use, expected in ((done, 1.0), (ToolUse((), 0, 0, 0), 0.0), (ToolUse((), 1, 1, 0), 0.0),
+                          (ToolUse((), 1, 0, 1), 0.0), (ToolUse((), 3, 0, 0, capped=True), 0.0),
+                          (ToolUse((), 1, 0, 0, cut=True), 0.0), (ToolUse((), 1, 0, 0, overflow=True), 0.0),
+                          (None, 0.0)):
+        assert BUILTIN["tool_use"](Completion("The answer is 5.", 10, 64, {"answer": "5"}, use)) == expected, use
+
+
+def test_prompts_offering_bad_or_unknown_tools_stop_naming_the_line(tmp_path, tokenizer):
+    good = {"conversations": prompt_messages(), "answer": "5"}
+    no_name = {"conversations": [{"role": "system", "content": "", "tools": [{"type": "function", "function":
+                                  {"description": "x"}}]}, {"role": "user", "content": "hi"}], "answer": "1"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, no_name])
+    with pytest.raises(DataError, match=rf"{path}:2: turn 0 tool 0 is not a function schema"):
+        list(read_records(path, "prompt"))
+    weather = {"conversations": prompt_messages(), "answer": "5"}
+    weather["conversations"][0]["tools"] = tool_schemas(["calculator"]) + [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    path = write_jsonl(tmp_path / "unknown.jsonl", [good, good, weather])
+    data = PromptDataset(path, tokenizer, 1024)
+    with pytest.raises(DataError, match=rf"{path}:3: offers tool 'get_weather', which is not one of the bundled"):
+        offered_tools(data)
+    data = PromptDataset(write_jsonl(tmp_path / "ok.jsonl", [good, {"prompt": "What is 1 + 1?", "answer": "2"}]),
+                         tokenizer, 1024)
+    assert [list(t) for t in offered_tools(data)] == [["calculator"], list(BUNDLED)]  # no tools offered: all
