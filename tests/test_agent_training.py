@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from test_distributed import single, torchrun
-from test_train import flags, stop_at, weights
+from test_train import flags, straight_and_resumed, weights
 
 import train_agent
 import train_full_sft
@@ -72,11 +72,8 @@ def test_the_agent_resumes_bit_exactly(tool_model, tmp_path, monkeypatch):
     """Each reply is keyed by (seed, step, prompt, member, round): the resumed run's rollouts are the straight
     run's, tool rounds and all."""
     kw = dict(max_steps=4, log_interval=1, save_interval=2)
-    assert train_agent.main(agent_flags(tool_model, tmp_path, "straight", **kw)) == 0
-    stop_at(monkeypatch, 2)
-    assert train_agent.main(agent_flags(tool_model, tmp_path, "resumed", **kw)) == 0
-    monkeypatch.undo()
-    assert train_agent.main(agent_flags(tool_model, tmp_path, "resumed", resume=True, **kw)) == 0
+    straight_and_resumed(monkeypatch, train_agent.main,
+                         lambda run, **o: agent_flags(tool_model, tmp_path, run, **kw, **o), 2)
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert all((a[k] == b[k]).all() for k in a)
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")

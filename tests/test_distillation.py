@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train import flags, stop_at, weights
+from test_train import flags, straight_and_resumed, weights
 
 import train_distillation
 import train_pretrain
@@ -114,11 +114,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(corpus, tmp_path, teacher, 
 
 
 def test_distillation_resumes_bit_exactly(corpus, tmp_path, teacher, monkeypatch):
-    assert train_distillation.main(flags(corpus, tmp_path, "straight", teacher=teacher)) == 0
-    stop_at(monkeypatch, 4)
-    assert train_distillation.main(flags(corpus, tmp_path, "resumed", teacher=teacher)) == 0
-    monkeypatch.undo()
-    assert train_distillation.main(flags(corpus, tmp_path, "resumed", teacher=teacher, resume=True)) == 0
+    straight_and_resumed(monkeypatch, train_distillation.main,
+                         lambda run, **o: flags(corpus, tmp_path, run, teacher=teacher, **o), 4)
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_train import flags, stop_at, weights
+from test_train import flags, straight_and_resumed, weights
 
 import train_dpo
 from model import load_model
@@ -74,11 +74,8 @@ def test_reward_accuracy_rises_on_the_demo_pairs(pairs, tmp_path, sft):
 
 
 def test_dpo_resumes_bit_exactly(pairs, tmp_path, sft, monkeypatch):
-    assert train_dpo.main(dpo_flags(pairs, tmp_path, sft, "straight", max_steps=8, log_interval=2)) == 0
-    stop_at(monkeypatch, 4)
-    assert train_dpo.main(dpo_flags(pairs, tmp_path, sft, "resumed", max_steps=8, log_interval=2)) == 0
-    monkeypatch.undo()
-    assert train_dpo.main(dpo_flags(pairs, tmp_path, sft, "resumed", max_steps=8, log_interval=2, resume=True)) == 0
+    straight_and_resumed(monkeypatch, train_dpo.main,
+                         lambda run, **o: dpo_flags(pairs, tmp_path, sft, run, max_steps=8, log_interval=2, **o), 4)
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
 

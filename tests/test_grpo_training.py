@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train import flags, stop_at, weights
+from test_train import flags, straight_and_resumed, weights
 
 import train_dpo
 import train_grpo
@@ -84,11 +84,8 @@ def test_a_reward_of_ones_own_rises(prompts, tmp_path, sft, loss_type):
 def test_grpo_resumes_bit_exactly(prompts, tmp_path, sft, monkeypatch):
     """Rollouts are keyed by (seed, step, prompt, member): the resumed run samples what the straight one did."""
     kw = dict(max_steps=6, log_interval=2, save_interval=2)
-    assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, "straight", **kw)) == 0
-    stop_at(monkeypatch, 2)
-    assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, "resumed", **kw)) == 0
-    monkeypatch.undo()
-    assert train_grpo.main(grpo_flags(prompts, tmp_path, sft, "resumed", resume=True, **kw)) == 0
+    straight_and_resumed(monkeypatch, train_grpo.main,
+                         lambda run, **o: grpo_flags(prompts, tmp_path, sft, run, **kw, **o), 2)
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert all((a[k] == b[k]).all() for k in a)
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_train import flags, stop_at
+from test_train import flags, straight_and_resumed
 
 import eval_model
 import train_lora
@@ -56,11 +56,7 @@ def test_only_the_adapters_train_and_are_saved(corpus, tmp_path, base):
 
 
 def test_a_lora_run_resumes_bit_exactly(corpus, tmp_path, base, monkeypatch):
-    assert train_lora.main(lora_flags(corpus, tmp_path, base, "straight")) == 0
-    stop_at(monkeypatch, 4)
-    assert train_lora.main(lora_flags(corpus, tmp_path, base, "resumed")) == 0
-    monkeypatch.undo()
-    assert train_lora.main(lora_flags(corpus, tmp_path, base, "resumed", resume=True)) == 0
+    straight_and_resumed(monkeypatch, train_lora.main, lambda run, **o: lora_flags(corpus, tmp_path, base, run, **o), 4)
     a, b = adapters(tmp_path / "straight"), adapters(tmp_path / "resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == [2, 4, 6, 8]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_dpo_training import dpo_flags, pairs  # noqa: F401 (a fixture)
-from test_train import flags, stop_at, weights
+from test_train import flags, straight_and_resumed, weights
 
 import train_distillation
 import train_dpo
@@ -104,11 +104,8 @@ def test_the_loss_excludes_the_router_terms(corpus, tmp_path):
 
 def test_resume_is_bit_identical_with_bias_balancing(corpus, tmp_path, monkeypatch):
     over = dict(router_bias_update_rate=0.01, router_aux_loss_coef=0)
-    assert train_pretrain.main(moe_flags(corpus, tmp_path, "straight", **over)) == 0
-    stop_at(monkeypatch, 4)
-    assert train_pretrain.main(moe_flags(corpus, tmp_path, "resumed", **over)) == 0
-    monkeypatch.undo()
-    assert train_pretrain.main(moe_flags(corpus, tmp_path, "resumed", resume=True, **over)) == 0
+    straight_and_resumed(monkeypatch, train_pretrain.main,
+                         lambda run, **o: moe_flags(corpus, tmp_path, run, **over, **o), 4)
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert any(k.endswith("router_bias") for k in a)
     for name in a:

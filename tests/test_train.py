@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -62,6 +63,17 @@ def stop_at(monkeypatch, step: int) -> None:
             signal.raise_signal(signal.SIGTERM)
 
     monkeypatch.setattr(TrainLog, "run", log_then_signal)
+
+
+def straight_and_resumed(monkeypatch, main: Callable[[list[str]], int], argv: Callable[..., list[str]],
+                         stop: int) -> None:
+    """What a resume test compares: run "straight" trained to its end, and run "resumed" stopped by a SIGTERM after
+    step `stop`, then continued with --resume. `argv(run, **flags)` gives a run's command line."""
+    assert main(argv("straight")) == 0
+    stop_at(monkeypatch, stop)
+    assert main(argv("resumed")) == 0
+    monkeypatch.undo()
+    assert main(argv("resumed", resume=True)) == 0
 
 
 def test_overfits_a_few_samples(corpus, tmp_path):
