@@ -52,7 +52,7 @@ from .context import RunContext, StepBatches, StepOutcome, Stop, TrainState, eve
 from .data import StepFeeder
 from .metrics import MetricsLogger, TrainClock
 from .objectives import Batch, Objective
-from .optim import WarmupCosine, build_optimizer
+from .optim import WarmupCosine, build_optimizer, newton_schulz_steps
 from .routing import RouterBalance
 from .runtime import StopSignal, rng_state, seed_everything, set_rng_state
 from .session import Session
@@ -164,8 +164,7 @@ class Trainer:
         if o.optimizer == "muon":
             self.resolved["newton_schulz_dtype"] = dtype_name(precision_policy(self.device).optimizer)
             # what the optimizer runs (the policy's count or --muon_ns_steps; a resumed run's own, once restored)
-            self.resolved["newton_schulz_steps"] = next(g["ns_steps"] for g in self.optimizer.param_groups
-                                                        if g["owner"] == "muon")
+            self.resolved["newton_schulz_steps"] = newton_schulz_steps(self.optimizer)
         if len(s.data.sources) > 1:
             self.resolved["data_mixture"] = s.data.sources
         if s.fallbacks:
@@ -204,8 +203,7 @@ class Trainer:
             raise TokenizerError(f"{ckpt}: trained with another tokenizer (sha256 {state['tokenizer_sha256'][:12]}"
                                  f"), not {self.session.tokenizer.path}")
         self.backend.restore_state(ckpt, state)
-        given = self.config.optim.muon_ns_steps
-        restored = next((g["ns_steps"] for g in self.optimizer.param_groups if g.get("owner") == "muon"), None)
+        given, restored = self.config.optim.muon_ns_steps, newton_schulz_steps(self.optimizer)
         if given is not None and restored is not None and given != restored:  # the restored group's count runs
             raise ConfigError(f"--muon_ns_steps {given}: {ckpt} was trained with {restored} Newton-Schulz "
                               "iterations, which a resume keeps; drop --muon_ns_steps (or pass "

@@ -81,6 +81,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._link()
 
 
+def newton_schulz_steps(optimizer: torch.optim.Optimizer) -> int | None:
+    """The Newton-Schulz iterations the optimizer's Muon groups run (the count they were built or restored with);
+    None for an optimizer without Muon."""
+    return next((g["ns_steps"] for g in optimizer.param_groups if g.get("owner") == "muon"), None)
+
+
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
                     momentum: float, device: torch.device, eps: float = 1e-8, muon_lr: float | None = None,
                     muon_momentum: float = 0.95, muon_ns_steps: int | None = None) -> torch.optim.Optimizer:
