@@ -32,7 +32,7 @@ import importlib.util
 import inspect
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,18 +47,18 @@ from dataset.jsonl import prompt_messages
 LENGTH_FREE = 0.5  # the share of the token budget a completion may use before the length term costs anything
 
 
-@dataclass(frozen=True)
+@dataclass
 class ToolUse:
-    """What a rollout with tools did (trainer_utils/rollouts.py sample_tool_rollouts): the turns it added after the
-    prompt (its replies as assistant messages, the tools' results as tool messages), the calls it made, the
-    blocks that looked like calls but were not, the calls whose result was an error (unknown tool, bad
-    arguments), and how it ended if not with an answer: `capped` (still calling after the last round),
-    `overflow` (no room left in the context), `cut` (a reply ran out of tokens)."""
+    """What a rollout with tools did (trainer_utils/rollouts.py sample_tool_rollouts, which fills it in as the
+    rollout goes): the turns it added after the prompt (its replies as assistant messages, the tools' results as
+    tool messages), the calls it made, the blocks that looked like calls but were not, the calls whose result was
+    an error (unknown tool, bad arguments), and how it ended if not with an answer: `capped` (still calling after
+    the last round), `overflow` (no room left in the context), `cut` (a reply ran out of tokens)."""
 
-    turns: tuple[dict[str, Any], ...]
-    calls: int
-    malformed: int
-    errors: int
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    calls: int = 0
+    malformed: int = 0
+    errors: int = 0
     capped: bool = False
     overflow: bool = False
     cut: bool = False

@@ -156,16 +156,14 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     if row_keys is not None and len(row_keys) != len(owner):
         raise ValueError(f"{len(row_keys)} row keys for {len(owner)} rows")
     rows = [Row(list(prompts[i]), [False] * len(prompts[i]), [0.0] * len(prompts[i])) for i in owner]
-    turns: list[list[dict[str, Any]]] = [[] for _ in owner]
-    finals, calls, malformed, errors = [""] * len(owner), [0] * len(owner), [0] * len(owner), [0] * len(owner)
-    capped, overflow, cut = [False] * len(owner), [False] * len(owner), [False] * len(owner)
+    uses, finals = [ToolUse() for _ in owner], [""] * len(owner)
     stop_ids = codec.stop_ids(True)
     stops = torch.tensor(stop_ids, device=device)
     active = list(range(len(owner)))
     for round_ in range(max_rounds + 1):
         for r in active:
-            overflow[r] = len(rows[r].ids) + max_new_tokens > max_len
-        active = [r for r in active if not overflow[r]]
+            uses[r].overflow = len(rows[r].ids) + max_new_tokens > max_len
+        active = [r for r in active if not uses[r].overflow]
         if not active:
             break
         uniforms = (keyed_uniforms([(*row_keys[r], round_) for r in active], max_new_tokens, device)
@@ -177,25 +175,25 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
                                uniforms=uniforms, log_probs=log_probs)
         going = []
         for r, new, lp in zip(active, replies, log_probs):
-            row = rows[r]
+            row, use = rows[r], uses[r]
             row.ids += new
             row.policy += [True] * len(new)
             row.log_probs += lp
             reply = parse_reply(codec.decode(new, skip_special_tokens=True))
-            turns[r].append(assistant_message(reply))
-            malformed[r] += len(reply.malformed)
-            cut[r] = not new or new[-1] not in stop_ids
-            if cut[r] or not reply.calls:
-                finals[r] = "" if cut[r] else reply.content
+            use.turns.append(assistant_message(reply))
+            use.malformed += len(reply.malformed)
+            use.cut = not new or new[-1] not in stop_ids
+            if use.cut or not reply.calls:
+                finals[r] = "" if use.cut else reply.content
                 continue
             if round_ == max_rounds or new[-1] != codec.im_end_id:
-                capped[r] = True  # calls left unrun: no answer (an end of text instead of a turn's end, too)
+                use.capped = True  # calls left unrun: no answer (an end of text instead of a turn's end, too)
                 continue
             results = [run_tool(call, tools[owner[r]]) for call in reply.calls]
-            calls[r] += len(results)
-            errors[r] += sum("error" in json.loads(result) for result in results)
+            use.calls += len(results)
+            use.errors += sum("error" in json.loads(result) for result in results)
             messages = [{"role": "tool", "content": result} for result in results]
-            turns[r] += messages
+            use.turns += messages
             observed = codec.tool_results(messages)
             row.ids += observed
             row.policy += [False] * len(observed)
@@ -204,7 +202,6 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
         active = going
     inputs, targets, old = training_rows(rows, codec.pad_id, device)
     completions = [row.ids[len(prompts[i]):] for row, i in zip(rows, owner)]
-    uses = [ToolUse(tuple(t), c, m, e, cap, over, x)
-            for t, c, m, e, cap, over, x in zip(turns, calls, malformed, errors, capped, overflow, cut)]
     policy_tokens = [sum(row.policy) for row in rows]
-    return ToolRollouts(Rollouts(inputs, targets, old, completions, cut, owner), uses, finals, policy_tokens)
+    return ToolRollouts(Rollouts(inputs, targets, old, completions, [u.cut for u in uses], owner), uses, finals,
+                        policy_tokens)

@@ -30,15 +30,9 @@ from .grpo import GRPO, GRPOOptions, RolloutSampler, Sampled
 
 @dataclass
 class AgentOptions(GRPOOptions):
-    """GRPO's settings, for rollouts that call tools: the budget is per reply, the reward judges the end."""
+    """GRPO's settings (their agentic defaults in AgentRL.defaults), and how many rounds of calls a rollout makes."""
 
     title: ClassVar[str] = "agentic reinforcement learning (GRPO / CISPO with tools)"
-    max_completion_tokens: int = option(96, "tokens each reply may have (one cut off there ends its rollout "
-                                            "unanswered); prompts get --max_seq_len minus this", at_least=1)
-    reward: str = option("exact,tool_use=0.1", "the reward, weighted terms: exact (the final answer against the "
-                                               "record's), tool_use (calls all well formed and run, then an answer), "
-                                               "format, length, FILE.py:FUNCTION, a reward model's directory "
-                                               "(trainer_utils/rewards.py)", metavar="SPEC")
     max_rounds: int = option(3, "rounds of tool calls a rollout may make; a reply still calling after them ends it "
                                 "unanswered (capped)", at_least=1)
 
@@ -47,8 +41,10 @@ class AgentRL(GRPO):
     name = "agent"
     script = "train_agent.py"
     options = AgentOptions
+    # a reply with a call and a short answer fit 96 tokens; the reward judges the end, with a little for clean calls
     defaults: ClassVar[dict[str, Any]] = dict(data_path=["dataset/demo/tools_rl.jsonl"], batch_size=4,
-                                              learning_rate=1e-5)
+                                              learning_rate=1e-5, max_completion_tokens=96,
+                                              reward="exact,tool_use=0.1")
 
     def prepare(self, ctx: RunContext) -> ToolSampler:
         return ToolSampler(ctx)
@@ -99,5 +95,4 @@ class ToolSampler(RolloutSampler):
         metrics = {"tool_calls": sum(u.calls for u in t.uses), "calls": sum(u.calls for u in t.uses),
                    "call_errors": sum(u.errors for u in t.uses), "malformed": sum(u.malformed for u in t.uses),
                    "capped": sum(u.capped for u in t.uses), "overflow": sum(u.overflow for u in t.uses)}
-        tokens = sum(len(p) for p in prompts) * self.group + sum(len(c) for c in rows.completions)
-        return Sampled(rows, completions, tokens, metrics)
+        return Sampled(rows, completions, metrics)

@@ -61,11 +61,14 @@ class GRPOOptions:
     temperature: float = option(1.0, "the temperature completions are sampled (and trained) at", above=0)
     num_generations: int = option(8, "completions sampled per prompt (a group; advantages compare them)",
                                   at_least=2)
-    max_completion_tokens: int = option(64, "tokens a completion may have (one cut off there is 'truncated'); "
-                                            "prompts get --max_seq_len minus this", at_least=1)
-    reward: str = option("exact,format=0.1", "the reward, weighted terms: exact (the record's answer), format (the "
-                                             "answer stated as taught), length, FILE.py:FUNCTION, a reward model's "
-                                             "directory (trainer_utils/rewards.py)", metavar="SPEC")
+    max_completion_tokens: int = option(64, "tokens a completion may have (with tools: each reply); one cut off "
+                                            "there is 'truncated' (with tools, its rollout ends unanswered); prompts "
+                                            "get --max_seq_len minus this", at_least=1)
+    reward: str = option("exact,format=0.1", "the reward, weighted terms: exact (the record's answer; with tools, "
+                                             "the final one's), format (the answer stated as taught), tool_call, "
+                                             "tool_use (tool calls all well formed and run, then an answer), length, "
+                                             "FILE.py:FUNCTION, a reward model's directory "
+                                             "(trainer_utils/rewards.py)", metavar="SPEC")
     scale_rewards: bool = option(True, "divide each group's centred rewards by their standard deviation "
                                        "(--no-scale_rewards: Dr. GRPO's unscaled advantages)")
     loss_type: str = option(POLICY_LOSSES[0], "the policy loss: grpo, PPO's clipped ratio; cispo, a clipped "
@@ -117,12 +120,11 @@ class GRPO(Stage):
 
 @dataclass
 class Sampled:
-    """A micro-batch's rollouts: the training rows, each completion as the rewards read it, the rows' input tokens
-    (for the log's throughput), and metrics of the sampler's own (sums; the stage's metric_unit says per what)."""
+    """A micro-batch's rollouts: the training rows, each completion as the rewards read it, and metrics of the
+    sampler's own (sums; the stage's metric_unit says per what)."""
 
     rows: Rollouts
     completions: list[Completion]
-    input_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -159,7 +161,8 @@ class RolloutSampler:
                 batch = (*batch, self.reference_log_probs(r.targets, r.inputs, ctx.precision.autocast))
             micro.append(batch)
             policy_tokens = sum(c.tokens for c in completions)
-            input_tokens += sampled.input_tokens
+            # every row's input: its prompt, then all it continued with (a tool's results too)
+            input_tokens += sum(len(p) for p in prompts) * self.group + sum(len(c) for c in r.completions)
             groups = total.view(-1, self.group)
             # sums; the log divides each by its metric_unit: rollout_tokens_per_s is the tokens sampled, over the
             # seconds this hook took (sampling, scoring and the reference's pass)
@@ -184,8 +187,7 @@ class RolloutSampler:
                             self.temperature, autocast=ctx.precision.autocast, row_keys=keys)
         completions = [Completion(self.tokenizer.decode(c, skip_special_tokens=True), len(c), self.budget,
                                   records[indices[row]]) for row, c in zip(r.prompt_rows, r.completions)]
-        tokens = sum(len(p) for p in prompts) * self.group + sum(len(c) for c in r.completions)
-        return Sampled(r, completions, tokens)
+        return Sampled(r, completions)
 
     def reference_log_probs(self, targets: torch.Tensor, inputs: torch.Tensor, autocast: Autocast) -> torch.Tensor:
         """The frozen reference's log-probability of each target at the sampling temperature (0 elsewhere)."""
