@@ -303,6 +303,12 @@ def _split_line(line: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def sentence_pieces(line: str) -> list[str]:
+    """One line's sentences, each with the whitespace before it, so that joined they give the line back
+    (trailing whitespace aside): for cutting a text at sentence ends without rewriting it."""
+    return [space + sentence for space, sentence in _split_line(line)]
+
+
 def split_sentences(text: str) -> list[str]:
     """Split a text into sentences (English and Chinese), each without the whitespace around it.
 

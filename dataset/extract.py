@@ -1,0 +1,349 @@
+"""Text out of a document file: plain text, Markdown, HTML, PDF, EPUB, DOCX and JSONL, each read with a library
+made for its format (dataset/ingest.py walks a folder through here).
+
+    documents = extract_file(Path("paper.pdf"))   # -> [Document(text, where, pages)]
+
+A file that cannot be read raises Unreadable with a reason for the user ("encrypted: needs a password",
+"no text layer", "broken archive"...), never an empty document. The libraries are optional: a format whose
+library is missing raises MissingLibrary naming the package to install.
+
+What each format keeps:
+  - .txt, .md: the text as it is (UTF-8, or UTF-16 with a byte-order mark; another encoding only with
+    `encoding=`: guessing one silently would train on mojibake).
+  - .html, .htm: the page's main text (trafilatura), without navigation, sidebars, footers or comments.
+  - .pdf: each page's text layer (PDFium), without the running headers, footers and page numbers repeated at
+    the top or bottom of the pages, with lines wrapped by the layout joined back into paragraphs.
+  - .epub: every chapter of the reading order (ebooklib), one document per chapter, block elements on their
+    own lines.
+  - .docx: paragraphs and tables of the body, in document order (python-docx); page headers and footers left out.
+  - .jsonl (.jsonl.gz): each {"text"} record, one document per line (bad lines as in every data stage).
+"""
+from __future__ import annotations
+
+import codecs
+import importlib
+import re
+import statistics
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from common.errors import DataError
+from dataset.jsonl import SkipReport, read_records
+
+# suffix -> format; ".jsonl.gz" is matched on the last two suffixes
+FORMATS = {".txt": "text", ".text": "text", ".md": "markdown", ".markdown": "markdown", ".html": "html",
+           ".htm": "html", ".xhtml": "html", ".pdf": "pdf", ".epub": "epub", ".docx": "docx", ".jsonl": "jsonl",
+           ".jsonl.gz": "jsonl"}
+# format -> (module to import, package to install)
+LIBRARIES = {"html": ("trafilatura", "trafilatura"), "pdf": ("pypdfium2", "pypdfium2"),
+             "epub": ("ebooklib", "ebooklib"), "docx": ("docx", "python-docx")}
+
+
+class Unreadable(Exception):
+    """A file that yields no text; str(e) is the reason, shown as `file: reason`."""
+
+
+class MissingLibrary(Unreadable):
+    """The format's library is not installed; the message names the package."""
+
+
+@dataclass
+class Document:
+    """One document's text and where it came from (a path, `path#chapter` or `path:line`)."""
+
+    text: str
+    where: str
+
+
+@dataclass
+class Extracted:
+    """What one file gave: its documents, and its pages (PDF; 0 for the other formats)."""
+
+    documents: list[Document]
+    pages: int = 0
+
+
+def file_format(path: Path) -> str | None:
+    """The format of `path` from its suffix (case-insensitive), or None when no reader takes it."""
+    suffixes = "".join(path.suffixes[-2:]).lower()
+    return FORMATS.get(suffixes) or FORMATS.get(path.suffix.lower())
+
+
+def library(fmt: str) -> Any:
+    """Import the format's library, or raise MissingLibrary saying what to install."""
+    module, package = LIBRARIES[fmt]
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingLibrary(f"reading .{fmt} files needs the {package} package: pip install {package}") from None
+
+
+# ----------------------------------------------------------------------------------------------- plain text
+# the codecs that read (and drop) each byte-order mark
+_BOMS = ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def decode_text(data: bytes, encoding: str | None = None) -> str:
+    """Bytes of a text file as str: UTF-8, UTF-16 with a byte-order mark, or `encoding` when given."""
+    for bom, codec in _BOMS:
+        if data.startswith(bom):
+            return data.decode(codec)
+    if b"\x00" in data[:8192]:
+        raise Unreadable("binary content (NUL bytes), not a text file")
+    try:
+        return data.decode(encoding or "utf-8")
+    except UnicodeDecodeError as e:
+        hint = "" if encoding else "; convert it to UTF-8, or pass --encoding (e.g. gb18030, cp1252)"
+        raise Unreadable(f"not {encoding or 'UTF-8'} (byte 0x{data[e.start]:02x} at offset {e.start}){hint}") \
+            from None
+    except LookupError:
+        raise Unreadable(f"unknown encoding {encoding!r}") from None
+
+
+def read_plain(path: Path, encoding: str | None = None) -> Extracted:
+    return Extracted([Document(decode_text(path.read_bytes(), encoding), str(path))])
+
+
+# ----------------------------------------------------------------------------------------------------- HTML
+def read_html(path: Path, encoding: str | None = None) -> Extracted:
+    trafilatura = library("html")
+    data = path.read_bytes()
+    # trafilatura finds the page's charset itself; a given --encoding wins over it
+    tree = trafilatura.load_html(decode_text(data, encoding) if encoding else data)
+    if tree is None:
+        raise Unreadable("not a readable HTML page")
+    # trafilatura's text output HTML-unescapes text that the parser has already unescaped, so "&gt;" written
+    # in a page (about HTML, say) would come out as ">": escaping every "&" first makes that second pass give
+    # the text back as it is
+    for el in tree.iter():
+        if el.text and "&" in el.text:
+            el.text = el.text.replace("&", "&amp;")
+        if el.tail and "&" in el.tail:
+            el.tail = el.tail.replace("&", "&amp;")
+    text = trafilatura.extract(tree, include_comments=False, include_tables=True, deduplicate=False)
+    if not text or not text.strip():
+        raise Unreadable("no main text found in the page")
+    return Extracted([Document(text, str(path))])
+
+
+# The block elements of (X)HTML: their text goes on lines of its own.
+_BLOCKS = frozenset("address article aside blockquote br dd div dl dt figcaption figure footer h1 h2 h3 h4 h5 h6 "
+                    "header hr li main nav ol p pre section table td th tr ul".split())
+
+
+def html_block_text(markup: bytes) -> str:
+    """All the text of an (X)HTML document (an EPUB chapter: no page furniture to remove), one line per block
+    element, <pre> kept as it is."""
+    import lxml.etree
+    import lxml.html
+
+    root = lxml.html.document_fromstring(markup)
+    for bad in root.iter("script", "style", "head"):
+        bad.drop_tree()
+    for el in root.iter():
+        tag = el.tag.rsplit("}", 1)[-1] if isinstance(el.tag, str) else ""
+        if tag in _BLOCKS:
+            el.tail = "\n" + (el.tail or "")
+            if tag != "pre" and el.text:
+                el.text = "\n" + el.text
+    lines = (re.sub(r"[ \t]+", " ", line).strip() if "\n" not in line else line
+             for line in lxml.etree.tostring(root, method="text", encoding="unicode").split("\n"))
+    return "\n".join(line for line in lines if line.strip())
+
+
+# ------------------------------------------------------------------------------------------------------ PDF
+# A line that is only a page number: "12", "- 12 -", "Page 12", "12 / 40", "page 3 of 9", "第 3 页".
+_PAGE_NUMBER = re.compile(r"^(?:[-–—]\s*)?(?:page\s*)?\d{1,5}(?:\s*(?:/|of)\s*\d{1,5})?(?:\s*[-–—])?$"
+                          r"|^第\s*\d+\s*页(?:\s*共\s*\d+\s*页)?$", re.IGNORECASE)
+_EDGE = 2  # lines at the top and at the bottom of a page where headers, footers and page numbers sit
+_CJK = re.compile(r"[\u3000-\u9fff\uac00-\ud7af\uff00-\uffef]")
+
+
+def _edge_key(line: str) -> str:
+    return re.sub(r"\d+", "#", line.strip().lower())
+
+
+def strip_page_furniture(pages: list[list[str]]) -> list[list[str]]:
+    """Drop the lines at a page's top or bottom that are page numbers, or that recur (digits aside) at the
+    edges of at least half the pages (and of two): running headers and footers."""
+    counts: dict[str, int] = {}
+    for lines in pages:
+        for key in {_edge_key(x) for x in lines[:_EDGE] + lines[-_EDGE:]}:
+            counts[key] = counts.get(key, 0) + 1
+    repeated = {k for k, n in counts.items() if n >= 2 and n >= len(pages) / 2}
+    out = []
+    for lines in pages:
+        keep = []
+        for i, line in enumerate(lines):
+            edge = i < _EDGE or i >= len(lines) - _EDGE
+            if edge and (_PAGE_NUMBER.match(line.strip()) or _edge_key(line) in repeated):
+                continue
+            keep.append(line)
+        out.append(keep)
+    return out
+
+
+def _columns(line: str) -> int:
+    """A line's width in columns: a Chinese or Japanese character takes two."""
+    return len(line) + len(_CJK.findall(line))
+
+
+def join_wrapped_lines(lines: list[str]) -> str:
+    """Lines as the layout wrapped them back into paragraphs: a line that fills most of the text width goes on
+    with the next one (a hyphen at its end joined away when a lower-case letter follows; no space between
+    Chinese or Japanese characters); a shorter line ends its paragraph. (The text layer has no paragraphs: a
+    paragraph whose last line happens to fill the width runs on into the next one.)"""
+    if not lines:
+        return ""
+    widths = [_columns(x) for x in lines]
+    width = statistics.quantiles(widths, n=10)[-1] if len(lines) > 1 else widths[0]
+    out = lines[0]
+    for prev, line, prev_width in zip(lines, lines[1:], widths):
+        if prev_width < 0.75 * width:
+            out += "\n" + line
+        elif prev.endswith("-") and len(prev) > 1 and prev[-2].isalpha() and line[:1].islower():
+            out = out[:-1] + line
+        elif _CJK.match(prev[-1:]) and _CJK.match(line[:1]):
+            out += line
+        else:
+            out += " " + line
+    return out
+
+
+def read_pdf(path: Path, encoding: str | None = None) -> Extracted:
+    pdfium = library("pdf")
+    try:
+        pdf = pdfium.PdfDocument(str(path))
+    except pdfium.PdfiumError as e:
+        if "password" in str(e).lower():
+            raise Unreadable("encrypted: needs a password (decrypt it first, e.g. qpdf --decrypt "
+                             "--password=... in.pdf out.pdf)") from None
+        raise Unreadable(f"not a readable PDF, damaged or truncated ({e})") from None
+    try:
+        pages = []
+        for i in range(len(pdf)):
+            page = pdf[i]
+            textpage = page.get_textpage()
+            text = textpage.get_text_bounded()
+            textpage.close()
+            page.close()
+            pages.append([x.strip() for x in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+                          if x.strip()])
+    finally:
+        pdf.close()
+    if not pages:
+        raise Unreadable("a PDF with no pages")
+    if sum(len(x) for lines in pages for x in lines) < 20 * len(pages):
+        raise Unreadable(f"no text layer ({len(pages)} pages of images: a scan? run OCR first, e.g. ocrmypdf)")
+    lines = [x for page in strip_page_furniture(pages) for x in page]
+    return Extracted([Document(join_wrapped_lines(lines), str(path))], pages=len(pages))
+
+
+# ----------------------------------------------------------------------------------------------------- EPUB
+def _check_zip(path: Path, kind: str) -> zipfile.ZipFile:
+    try:
+        archive = zipfile.ZipFile(path)
+        bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError) as e:
+        raise Unreadable(f"broken archive: not a readable {kind} (zip) file ({e})") from None
+    if bad is not None:
+        raise Unreadable(f"broken archive: {bad} is damaged")
+    return archive
+
+
+def read_epub(path: Path, encoding: str | None = None) -> Extracted:
+    ebooklib = library("epub")
+    from ebooklib import epub
+
+    with _check_zip(path, "EPUB") as archive:
+        if "META-INF/encryption.xml" in archive.namelist() and b"EncryptedData" in archive.read(
+                "META-INF/encryption.xml"):
+            raise Unreadable("encrypted (DRM): its chapters cannot be read")
+    try:
+        book = epub.read_epub(str(path), options={"ignore_ncx": True})
+    except (epub.EpubException, KeyError, AttributeError, ValueError) as e:
+        raise Unreadable(f"not a valid EPUB ({e})") from None
+    docs = []
+    for idref, _ in book.spine:
+        item = book.get_item_with_id(idref)
+        if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT or isinstance(item, epub.EpubNav):
+            continue
+        text = html_block_text(item.get_content())
+        if text.strip():
+            docs.append(Document(text, f"{path}#{item.get_name()}"))
+    if not docs:
+        raise Unreadable("an EPUB with no text in its reading order")
+    return Extracted(docs)
+
+
+# ----------------------------------------------------------------------------------------------------- DOCX
+_OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"  # the container of .doc (Word 97-2003), often renamed .docx
+
+def read_docx(path: Path, encoding: str | None = None) -> Extracted:
+    docx = library("docx")
+    from docx.opc.exceptions import PackageNotFoundError
+
+    with open(path, "rb") as f:
+        if f.read(8) == _OLE_MAGIC:
+            raise Unreadable("an old binary Word .doc, not a .docx (convert it: soffice --convert-to docx)")
+    _check_zip(path, "Word .docx").close()
+    try:
+        doc = docx.Document(str(path))
+    except PackageNotFoundError:
+        raise Unreadable("not a Word .docx file (an old .doc? convert it: soffice --convert-to docx)") from None
+    except (KeyError, ValueError) as e:
+        raise Unreadable(f"not a valid .docx ({e})") from None
+    parts = []
+    for block in doc.iter_inner_content():
+        if hasattr(block, "rows"):  # a table: a line per row, cells joined; merged cells appear once
+            for row in block.rows:
+                cells = list(dict.fromkeys(c.text.strip() for c in row.cells if c.text.strip()))
+                if cells:
+                    parts.append(" | ".join(cells))
+        elif block.text.strip():
+            parts.append(block.text)
+    if not parts:
+        raise Unreadable("a .docx with no text in its body")
+    return Extracted([Document("\n".join(parts), str(path))])
+
+
+# ---------------------------------------------------------------------------------------------------- JSONL
+def read_jsonl(path: Path, encoding: str | None = None, skip_bad_lines: bool = False,
+               report: SkipReport | None = None) -> Extracted:
+    try:
+        docs = [Document(r["text"], f"{path}:{n}")
+                for n, r in read_records(path, "text", skip_bad_lines=skip_bad_lines, report=report)]
+    except DataError as e:  # "path:7: reason" -> "line 7: reason"
+        raise Unreadable(re.sub(rf"^{re.escape(str(path))}:(\d+):", r"line \1:", str(e))
+                         .removeprefix(f"{path}: ")) from None
+    return Extracted(docs)
+
+
+READERS: dict[str, Callable[..., Extracted]] = {"text": read_plain, "markdown": read_plain, "html": read_html,
+                                                "pdf": read_pdf, "epub": read_epub, "docx": read_docx,
+                                                "jsonl": read_jsonl}
+
+
+def extract_file(path: Path, encoding: str | None = None, skip_bad_lines: bool = False,
+                 report: SkipReport | None = None) -> Extracted:
+    """The documents of one file; Unreadable (MissingLibrary) when it yields none. JSONL bad lines are
+    counted into `report` with skip_bad_lines, else they make the file Unreadable naming the line."""
+    fmt = file_format(path)
+    if fmt is None:
+        raise Unreadable(f"no reader for {path.suffix or 'files without a suffix'}")
+    try:
+        if fmt == "jsonl":
+            extracted = read_jsonl(path, encoding, skip_bad_lines, report)
+        else:
+            extracted = READERS[fmt](path, encoding)
+    except Unreadable:
+        raise
+    except OSError as e:
+        raise Unreadable(f"cannot read it ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - a third-party parser failing on a malformed file is that file's skip
+        raise Unreadable(f"the {fmt} reader failed ({type(e).__name__}: {e})") from None
+    if not any(d.text.strip() for d in extracted.documents):
+        raise Unreadable("no text in it")
+    return extracted

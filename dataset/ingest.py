@@ -1,0 +1,355 @@
+"""A folder of documents into a clean pretraining corpus, in one deterministic pass.
+
+    python -m dataset.ingest my_docs/ --out corpus.jsonl
+    python -m dataset.ingest papers/ notes/ book.epub --out corpus.jsonl --max_chars 4000
+    python -m dataset.ingest --files_from list.txt --out corpus.jsonl
+
+Walks each folder (sorted, hidden files and folders left out) and reads every .txt, .md, .html/.htm, .pdf, .epub,
+.docx and .jsonl file with the library made for its format (dataset/extract.py). Then, per document:
+  1. split at paragraph boundaries into records of at most --max_chars characters (a paragraph longer than that
+     at sentence ends, a sentence longer than that at a space);
+  2. cleaned and deduplicated as `python -m dataset.clean` does (HTML remnants, Unicode, control characters,
+     whitespace; records under --min_chars dropped; exact and MinHash near-duplicates of an earlier record
+     dropped, the first kept);
+  3. written as {"text", "source", "part", "lang"}: the file it came from (`path#chapter` for an EPUB chapter,
+     `path:line` for a JSONL record), its part number when split, and its detected language (ISO 639-1,
+     py3langid; "und" for text too short to tell).
+
+A file that gives no text is a counted skip with its reason on a `file: reason` line (encrypted or scanned
+PDF, broken archive, text not in UTF-8 ...), never an empty record and never a crash; a format whose library is
+missing names the package to install. Files of other types are counted by suffix. The same inputs give the
+same bytes. The report goes to stdout and <out>.report.json: files by type, skips and why, characters,
+duplicates, languages, and the time each format took (pages/s, MB/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from common.errors import ConfigError, DataError
+from dataset.clean import CleanOptions, CleanStats, Deduper, clean_records, report_path, sentence_pieces
+from dataset.extract import Extracted, Unreadable, extract_file, file_format
+from dataset.jsonl import SkipReport, write_atomic
+
+UNDETERMINED = "und"
+_LANGUAGE_SAMPLE = 4000  # characters looked at to tell a record's language
+
+
+@dataclass
+class IngestOptions:
+    """How files become records."""
+
+    max_chars: int = 8000  # a longer document is split into records at paragraph boundaries
+    min_chars: int = 20  # records shorter than this after cleaning are dropped
+    encoding: str | None = None  # for text files not in UTF-8; None: such a file is skipped, with the reason
+    skip_bad_lines: bool = False  # JSONL: skip and count bad lines instead of skipping the file
+    near_dedup: bool = True
+    threshold: float = 0.8
+    shingle_size: int = 5
+    num_perm: int = 128
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_chars <= self.max_chars:
+            raise ConfigError(f"need 1 <= --min_chars <= --max_chars, got {self.min_chars} and {self.max_chars}")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ConfigError(f"--threshold must be in (0, 1], got {self.threshold}")
+
+
+# ---------------------------------------------------------------------------------------------- the files
+def find_files(inputs: Iterable[str | Path], exclude: Iterable[Path] = ()) -> list[Path]:
+    """Every file under the inputs (folders walked in sorted order, hidden entries left out; files as given),
+    each once, in a fixed order; `exclude` (the output and its report) left out."""
+    skip = {p.resolve() for p in exclude}
+    files, seen = [], set()
+    for given in inputs:
+        root = Path(given)
+        if root.is_file():
+            found = [root]
+        elif root.is_dir():
+            found = []
+            for folder, dirs, names in os.walk(root):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found += [Path(folder) / n for n in sorted(names) if not n.startswith(".")]
+        else:
+            raise DataError(f"{root}: no such file or folder")
+        for path in found:
+            key = path.resolve()
+            if key not in seen and key not in skip:
+                seen.add(key)
+                files.append(path)
+    return files
+
+
+# ------------------------------------------------------------------------------------------------ splitting
+def _pieces(text: str, max_chars: int) -> list[str]:
+    """Cut points at the coarsest boundary that exists: paragraphs, lines, sentences, spaces, characters.
+    Joined, the pieces give the text back."""
+    for sep in ("\n\n", "\n"):
+        parts = text.split(sep)
+        if len(parts) > 1:
+            return [p + sep for p in parts[:-1]] + [parts[-1]]
+    sentences = sentence_pieces(text)
+    if len(sentences) > 1:
+        return sentences
+    cut = text.rfind(" ", 0, max_chars)
+    cut = cut if cut > 0 else max_chars
+    return [text[:cut], text[cut:]]
+
+
+def split_document(text: str, max_chars: int) -> list[str]:
+    """A document as consecutive records of at most max_chars characters, cut at the coarsest boundary that
+    keeps them under it (see _pieces); each record stripped of the whitespace at its ends."""
+    if len(text) <= max_chars:
+        return [text.strip()] if text.strip() else []
+    chunks, current = [], ""
+    for piece in _pieces(text, max_chars):
+        if len(piece) > max_chars:
+            if current.strip():
+                chunks.append(current.strip())
+            current = ""
+            chunks += split_document(piece, max_chars)
+        elif len(current) + len(piece) > max_chars:
+            if current.strip():
+                chunks.append(current.strip())
+            current = piece
+        else:
+            current += piece
+    if current.strip():
+        chunks.append(current.strip())
+    return chunks
+
+
+# ------------------------------------------------------------------------------------------------ language
+def detect_language(text: str) -> str:
+    """The ISO 639-1 code of the text's language (py3langid over its first characters), or "und" when there is
+    too little text to tell or py3langid is not installed (`pip install py3langid`)."""
+    sample = text[:_LANGUAGE_SAMPLE]
+    if sum(c.isalpha() for c in sample) < 10:
+        return UNDETERMINED
+    try:
+        import py3langid
+    except ImportError:
+        return UNDETERMINED
+    return py3langid.classify(sample)[0]
+
+
+# ------------------------------------------------------------------------------------------------ pipeline
+@dataclass
+class FormatStats:
+    """One format's files, what they gave and what reading them took."""
+
+    files: int = 0
+    read: int = 0
+    skipped: int = 0
+    bytes: int = 0
+    pages: int = 0
+    documents: int = 0
+    chars: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["seconds"] = round(self.seconds, 3)
+        d["mb_per_s"] = round(self.bytes / 1e6 / self.seconds, 3) if self.seconds else None
+        if self.pages:
+            d["pages_per_s"] = round(self.pages / self.seconds, 1) if self.seconds else None
+        return d
+
+
+@dataclass
+class IngestStats:
+    formats: dict[str, FormatStats] = field(default_factory=lambda: defaultdict(FormatStats))
+    unsupported: Counter = field(default_factory=Counter)
+    skipped: list[str] = field(default_factory=list)  # "file: reason"
+    split_documents: int = 0
+    languages: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    extract_s: float = 0.0
+    language_s: float = 0.0
+
+
+def _read(path: Path, opts: IngestOptions, stats: IngestStats, bad_lines: SkipReport,
+          warn: Any) -> Extracted | None:
+    fmt = file_format(path)
+    if fmt is None:
+        stats.unsupported[path.suffix.lower() or "(no suffix)"] += 1
+        return None
+    fs = stats.formats[fmt]
+    fs.files += 1
+    size = path.stat().st_size
+    start = time.perf_counter()
+    try:
+        extracted = extract_file(path, opts.encoding, opts.skip_bad_lines, bad_lines)
+    except Unreadable as e:
+        fs.skipped += 1
+        stats.skipped.append(f"{path}: {e}")
+        warn(f"skipped {path}: {e}")
+        return None
+    finally:
+        took = time.perf_counter() - start
+        fs.seconds += took
+        stats.extract_s += took
+    fs.read += 1
+    fs.bytes += size
+    fs.pages += extracted.pages
+    fs.documents += len(extracted.documents)
+    fs.chars += sum(len(d.text) for d in extracted.documents)
+    return extracted
+
+
+def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None, progress: bool = True,
+           warn: Any = None) -> dict[str, Any]:
+    """Read every file under `inputs` into `out` (atomically) and write <out>.report.json; return the report.
+
+    Raises DataError when an input does not exist or no record is left (the output is then not written)."""
+    from tqdm import tqdm
+
+    opts = opts or IngestOptions()
+    out = Path(out)
+    if out.is_dir():
+        raise DataError(f"{out}: is a folder, expected an output .jsonl path")
+    files = find_files(inputs, exclude=[out, report_path(out)])
+    if not files:
+        raise DataError(f"{', '.join(map(str, inputs))}: no files found")
+    bar = tqdm(files, unit="file", desc="ingest", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    warn = warn or (lambda msg: tqdm.write(msg, file=sys.stderr))  # above the bar, not through it
+    stats, clean_stats, bad_lines = IngestStats(), CleanStats(), SkipReport()
+    deduper = Deduper(opts.near_dedup, opts.shingle_size, opts.num_perm, opts.threshold, opts.seed)
+    start = time.perf_counter()
+
+    def records() -> Iterator[tuple[int, dict[str, Any]]]:
+        for path in bar:
+            extracted = _read(path, opts, stats, bad_lines, warn)
+            for doc in extracted.documents if extracted else []:
+                chunks = split_document(doc.text, opts.max_chars)
+                stats.split_documents += len(chunks) > 1
+                for part, chunk in enumerate(chunks, 1):
+                    yield 0, {"text": chunk, "source": doc.where, "part": part}
+
+    def lines() -> Iterator[bytes]:
+        # No HTML stripping: the readers already took the text out of its markup, so what looks like a tag or
+        # an entity in it ("<b>", "&gt;" in a page about HTML) is content
+        for record in clean_records(records(), CleanOptions(strip_html=False), deduper, opts.min_chars, None,
+                                    clean_stats):
+            at = time.perf_counter()
+            record["lang"] = lang = detect_language(record["text"])
+            stats.language_s += time.perf_counter() - at
+            stats.languages[lang].update(records=1, chars=len(record["text"]))
+            yield (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+
+    try:
+        write_atomic(out, lines())
+    finally:
+        bar.close()
+    if not clean_stats.kept:
+        out.unlink(missing_ok=True)
+        why = f"; skipped: {'; '.join(stats.skipped[:3])}" if stats.skipped else ""
+        raise DataError(f"no text kept from {len(files)} files under {', '.join(map(str, inputs))}{why}")
+    elapsed = time.perf_counter() - start
+    report = {
+        "inputs": [str(i) for i in inputs],
+        "output": str(out),
+        "files": {"found": len(files), "read": sum(f.read for f in stats.formats.values()),
+                  "skipped": len(stats.skipped), "other_types": sum(stats.unsupported.values())},
+        "by_format": {fmt: fs.summary() for fmt, fs in sorted(stats.formats.items())},
+        "other_types": dict(sorted(stats.unsupported.items())),
+        "skipped": stats.skipped,
+        "bad_lines": {"total": bad_lines.total, "reasons": dict(bad_lines.counts), "first": bad_lines.examples},
+        "records": {"from_documents": clean_stats.records, "kept": clean_stats.kept,
+                    "documents_split": stats.split_documents},
+        "dropped": {r: clean_stats.dropped.get(r, 0)
+                    for r in ("empty_after_cleaning", "too_short", "exact_duplicate", "near_duplicate")},
+        "chars": {"extracted": clean_stats.chars_in, "kept": clean_stats.chars_out},
+        "languages": {lang: dict(c) for lang, c in sorted(stats.languages.items(), key=lambda kv: -kv[1]["chars"])},
+        "elapsed_s": round(elapsed, 3),
+        "extract_s": round(stats.extract_s, 3),
+        "language_s": round(stats.language_s, 3),
+        "options": asdict(opts),
+    }
+    write_atomic(report_path(out), json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a few human-readable lines."""
+    f, r, c = report["files"], report["records"], report["chars"]
+    rows = [f"ingested {', '.join(report['inputs'])} -> {report['output']}",
+            f"  files: {f['found']:,} found, {f['read']:,} read, {f['skipped']:,} skipped, "
+            f"{f['other_types']:,} of other types"]
+    for fmt, s in report["by_format"].items():
+        speed = f"{s['mb_per_s']:.2f} MB/s" if s["mb_per_s"] else "-"
+        pages = f", {s['pages']:,} pages ({s['pages_per_s']:,.0f}/s)" if s.get("pages") else ""
+        rows.append(f"    {fmt:<9}{s['read']:>6,} read {s['skipped']:>5,} skipped  {s['chars']:>12,} chars  "
+                    f"{speed}{pages}")
+    if report["other_types"]:
+        rows.append("  other types (not read): " + ", ".join(f"{k} {n:,}" for k, n in report["other_types"].items()))
+    if report["bad_lines"]["total"]:
+        rows.append(f"  bad JSONL lines skipped: {report['bad_lines']['total']:,} "
+                    f"({'; '.join(report['bad_lines']['first'])})")
+    rows.append(f"  records: {r['from_documents']:,} from the documents ({r['documents_split']:,} documents split), "
+                f"{r['kept']:,} kept")
+    rows.append("  dropped: " + ", ".join(f"{k} {n:,}" for k, n in report["dropped"].items()))
+    rows.append(f"  chars: {c['extracted']:,} extracted, {c['kept']:,} kept")
+    rows.append("  languages: " + ", ".join(f"{lang} {s['records']:,} records / {s['chars']:,} chars"
+                                              for lang, s in report["languages"].items()))
+    rows.append(f"  {report['elapsed_s']:.1f} s ({report['extract_s']:.1f} s reading files, "
+                f"{report['language_s']:.1f} s telling languages); "
+                f"report: {report_path(report['output'])}")
+    return "\n".join(rows)
+
+
+def _listed(files_from: str) -> list[str]:
+    try:
+        text = Path(files_from).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{files_from}: cannot read the list of files ({e})") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dataset.ingest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="*", metavar="PATH", help="folders (walked) and files to read")
+    p.add_argument("--files_from", metavar="LIST", help="a text file naming one file or folder per line")
+    p.add_argument("--out", required=True, help="output .jsonl; the report goes to <out>.report.json")
+    d = IngestOptions()
+    p.add_argument("--max_chars", type=int, default=d.max_chars,
+                   help="longer documents are split into records at paragraph boundaries (default: %(default)s)")
+    p.add_argument("--min_chars", type=int, default=d.min_chars,
+                   help="records shorter than this after cleaning are dropped (default: %(default)s)")
+    p.add_argument("--encoding", help="the encoding of text files that are not UTF-8 (e.g. gb18030, cp1252); "
+                                      "without it such files are skipped, with the reason")
+    p.add_argument("--skip_bad_lines", action="store_true", help="JSONL: skip and count bad lines (without it, "
+                                                                 "a file with a bad line is skipped, naming it)")
+    p.add_argument("--no_near_dedup", action="store_true", help="exact deduplication only")
+    p.add_argument("--threshold", type=float, default=d.threshold,
+                   help="Jaccard similarity that counts as a near-duplicate (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        inputs = list(args.inputs) + (_listed(args.files_from) if args.files_from else [])
+        if not inputs:
+            p.error("name at least one folder or file (or --files_from LIST)")
+        opts = IngestOptions(max_chars=args.max_chars, min_chars=args.min_chars, encoding=args.encoding,
+                             skip_bad_lines=args.skip_bad_lines, near_dedup=not args.no_near_dedup,
+                             threshold=args.threshold)
+        report = ingest(inputs, args.out, opts, progress=not args.quiet and sys.stderr.isatty())
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""dataset.ingest and dataset.extract: every format read from real files (made with each format's own library),
+the broken ones skipped with their reason, splitting, page furniture, languages, determinism, the CLI, and the
+bundled example folder's extraction quality (bench/bench_ingest.py's measure)."""
+from __future__ import annotations
+
+import builtins
+import json
+import sys
+import zipfile
+
+import pytest
+
+from common.errors import ConfigError, DataError
+from dataset.extract import (
+    MissingLibrary,
+    Unreadable,
+    extract_file,
+    file_format,
+    join_wrapped_lines,
+    strip_page_furniture,
+)
+from dataset.ingest import IngestOptions, detect_language, find_files, ingest, main, split_document
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_ingest  # noqa: E402
+import build_documents_demo as demo  # noqa: E402
+
+DOCUMENTS = ROOT / "dataset" / "demo" / "documents"
+PARAGRAPHS = ["The lighthouse keeper wrote every evening about the weather and the ships that passed the cape.",
+              "In winter the storms came from the north, and the lamp had to be trimmed twice each night.",
+              "Nobody remembered who had planted the apple tree beside the keeper's cottage, but it bore fruit."]
+BLOCKS = [demo.Block("h1", "Notes from the cape"), *[demo.Block("p", " ".join([p] * 3)) for p in PARAGRAPHS],
+          demo.Block("code", ">>> lamp.trim()\n>>> lamp.light()")]
+TEXT = demo.plain_text(BLOCKS)
+# three documents for three PDF pages, with first and last lines of their own (a line at the top or the bottom of
+# every page is a running header or footer)
+PAGES = [[demo.Block("h1", title), *BLOCKS[1:-1], demo.Block("code", f">>> lamp.{verb}()"),
+          demo.Block("p", f"Written at the cape in {month}.")]
+         for title, verb, month in [("Notes from the cape", "trim", "March"), ("Letters from the harbour", "light",
+                                                                              "June"),
+                                    ("Songs of the keeper", "clean", "October")]]
+
+
+def words(text: str) -> list[str]:
+    return text.split()
+
+
+def read(path) -> str:
+    return "\n\n".join(d.text for d in extract_file(path).documents)
+
+
+def scanned_pdf() -> bytes:
+    from fpdf import FPDF
+    from PIL import Image
+
+    pdf = FPDF()
+    for _ in range(2):
+        pdf.add_page()
+        pdf.image(Image.new("RGB", (200, 100), "white"), x=10, y=10, w=100)
+    return bytes(pdf.output())
+
+
+def encrypted_pdf() -> bytes:
+    from fpdf import FPDF
+
+    pdf = FPDF()
+    pdf.add_page()
+    pdf.set_font("helvetica", size=12)
+    pdf.multi_cell(0, 5, PARAGRAPHS[0] * 5)
+    pdf.set_encryption(owner_password="owner", user_password="secret")
+    return bytes(pdf.output())
+
+
+# ---------------------------------------------------------------------------------------- each format, read
+@pytest.mark.parametrize("fmt", ["pdf", "html", "epub", "docx"])
+def test_each_format_gives_back_its_text_without_furniture(tmp_path, fmt):
+    path = tmp_path / f"doc.{fmt}"
+    if fmt == "pdf":
+        path.write_bytes(demo.render_pdf(PAGES, "cape notes"))
+        reference = "\n\n".join(map(demo.plain_text, PAGES))
+    elif fmt == "html":
+        path.write_bytes(demo.render_html(BLOCKS, "cape", ["harbour", "keeper"]))
+        reference = TEXT
+    elif fmt == "epub":
+        path.write_bytes(demo.render_epub([BLOCKS, BLOCKS[:2]], ["one", "two"]))
+        reference = TEXT + "\n\n" + demo.plain_text(BLOCKS[:2])
+    else:
+        path.write_bytes(demo.render_docx(BLOCKS, "cape"))
+        reference = TEXT
+    text = read(path)
+    q = bench_ingest.overlap(reference, text)
+    assert q["recovered"] > 0.99 and q["boilerplate"] < 0.01, (fmt, q, text[:300])
+    for furniture in ("Sign in", "All rights reserved", "Other modules", "Python Library Notes", "Draft for internal"):
+        assert furniture not in text
+
+
+def test_epub_gives_a_document_per_chapter_named_by_its_file(tmp_path):
+    path = tmp_path / "book.epub"
+    path.write_bytes(demo.render_epub([BLOCKS, BLOCKS[:2]], ["one", "two"]))
+    docs = extract_file(path).documents
+    assert [d.where for d in docs] == [f"{path}#chap_00.xhtml", f"{path}#chap_01.xhtml"]
+    assert docs[1].text.splitlines() == [BLOCKS[0].text, BLOCKS[1].text]  # block elements on lines of their own
+
+
+def test_pdf_counts_pages_and_joins_wrapped_lines(tmp_path):
+    path = tmp_path / "doc.pdf"
+    path.write_bytes(demo.render_pdf(PAGES, "cape notes"))
+    extracted = extract_file(path)
+    assert extracted.pages == 3
+    # each long paragraph wraps over several lines on the page and comes back as one (the line it ends on
+    # may run on into the next paragraph: the text layer has no paragraphs)
+    text = extracted.documents[0].text
+    assert all(text.count(b.text) == 3 for b in BLOCKS[1:-1])
+    assert all(line in text.splitlines() for line in ("Notes from the cape", "Songs of the keeper"))
+
+
+def test_html_keeps_entity_like_text_as_written(tmp_path):
+    blocks = [demo.Block("h1", "Entities"), demo.Block("p", "Write &gt; or &#62; for a greater-than sign. " * 8)]
+    path = tmp_path / "page.html"
+    path.write_bytes(demo.render_html(blocks, "entities", []))
+    assert "Write &gt; or &#62; for" in read(path)
+
+
+def test_plain_text_encodings(tmp_path):
+    (tmp_path / "bom.txt").write_bytes("\ufeffhello wörld".encode("utf-8"))
+    (tmp_path / "utf16.txt").write_bytes("hello wörld".encode("utf-16"))
+    (tmp_path / "gbk.txt").write_bytes("中文文本，这是一个测试。".encode("gbk"))
+    (tmp_path / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00")
+    assert read(tmp_path / "bom.txt") == "hello wörld"
+    assert read(tmp_path / "utf16.txt") == "hello wörld"
+    with pytest.raises(Unreadable, match=r"not UTF-8 \(byte 0xd6 at offset 0\); .*--encoding"):
+        read(tmp_path / "gbk.txt")
+    assert "\n".join(d.text for d in extract_file(tmp_path / "gbk.txt", encoding="gb18030").documents) == \
+        "中文文本，这是一个测试。"
+    with pytest.raises(Unreadable, match="binary content"):
+        read(tmp_path / "binary.txt")
+
+
+def test_markdown_and_jsonl(tmp_path):
+    (tmp_path / "a.md").write_text(demo.render_markdown(BLOCKS), encoding="utf-8")
+    assert read(tmp_path / "a.md").startswith("# Notes from the cape\n\n")
+    lines = [json.dumps({"text": p, "id": i}) for i, p in enumerate(PARAGRAPHS)]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    docs = extract_file(tmp_path / "a.jsonl").documents
+    assert [d.text for d in docs] == PARAGRAPHS and docs[2].where == f"{tmp_path / 'a.jsonl'}:3"
+    assert file_format(tmp_path / "x.jsonl.gz") == "jsonl" and file_format(tmp_path / "X.PDF") == "pdf"
+    assert file_format(tmp_path / "x.png") is None
+
+
+# ---------------------------------------------------------------------------------------- broken files
+def broken_files(tmp_path) -> dict[str, str]:
+    """file name -> the reason it is skipped for (a regex)."""
+    good_epub = demo.render_epub([BLOCKS], ["one"])
+    good_docx = demo.render_docx(BLOCKS, "cape")
+    good_pdf = demo.render_pdf(PAGES, "cape")
+    files = {
+        "encrypted.pdf": (encrypted_pdf(), r"encrypted: needs a password"),
+        "scanned.pdf": (scanned_pdf(), r"no text layer \(2 pages of images"),
+        "truncated.pdf": (good_pdf[:len(good_pdf) // 2], r"not a readable PDF, damaged or truncated"),
+        "truncated.epub": (good_epub[:len(good_epub) // 2], r"broken archive: not a readable EPUB"),
+        "truncated.docx": (good_docx[:len(good_docx) // 2], r"broken archive: not a readable Word"),
+        "old.docx": (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1" + bytes(600), r"an old binary Word \.doc"),
+        "latin1.txt": ("café crème".encode("latin-1"), r"not UTF-8 \(byte 0xe9 at offset 3\)"),
+        "empty.md": (b"", r"no text in it"),
+        "bad.jsonl": (b'{"text": "fine"}\n{"text": \n', r"line 2: invalid JSON"),
+        "nav-only.html": (b"<html><body></body></html>", r"no main text|not a readable HTML"),
+    }
+    for name, (data, _) in files.items():
+        (tmp_path / name).write_bytes(data)
+    # an EPUB whose chapters are encrypted (DRM): a valid archive with an encryption.xml
+    drm = tmp_path / "drm.epub"
+    drm.write_bytes(good_epub)
+    with zipfile.ZipFile(drm, "a") as z:
+        z.writestr("META-INF/encryption.xml", "<encryption><EncryptedData/></encryption>")
+    return {**{n: r for n, (_, r) in files.items()}, "drm.epub": r"encrypted \(DRM\)"}
+
+
+def test_broken_files_are_unreadable_with_their_reason(tmp_path):
+    for name, reason in broken_files(tmp_path).items():
+        with pytest.raises(Unreadable, match=reason):
+            extract_file(tmp_path / name)
+
+
+def test_ingest_counts_and_names_every_skip_and_never_writes_an_empty_record(tmp_path, capsys):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    reasons = broken_files(folder)
+    (folder / "good.html").write_bytes(demo.render_html(BLOCKS, "cape", []))
+    (folder / "photo.png").write_bytes(b"\x89PNG")
+    (folder / ".hidden.txt").write_text("secret notes that are long enough to keep", encoding="utf-8")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD.txt").write_text("ref: refs/heads/main and more words", encoding="utf-8")
+    out = tmp_path / "corpus.jsonl"
+    warnings = []
+    report = ingest([folder], out, progress=False, warn=warnings.append)
+    assert report["files"] == {"found": len(reasons) + 2, "read": 1, "skipped": len(reasons), "other_types": 1}
+    assert report["other_types"] == {".png": 1}
+    for name, reason in reasons.items():
+        line = next(s for s in report["skipped"] if s.startswith(f"{folder / name}: "))
+        assert __import__("re").search(reason, line), line
+    assert warnings == [f"skipped {s}" for s in report["skipped"]]
+    records = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert records and all(r["text"].strip() and r["source"] == str(folder / "good.html") for r in records)
+    assert json.loads((tmp_path / "corpus.jsonl.report.json").read_text())["records"]["kept"] == len(records)
+
+
+def test_jsonl_bad_lines_are_skipped_and_counted_when_asked(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "a first record long enough"}\nnot json\n'
+                                      '{"text": "a second record long enough"}\n', encoding="utf-8")
+    report = ingest([tmp_path / "d.jsonl"], tmp_path / "out.jsonl", IngestOptions(skip_bad_lines=True),
+                    progress=False)
+    assert report["records"]["kept"] == 2 and report["bad_lines"]["total"] == 1
+    assert report["bad_lines"]["first"] == ["d.jsonl:2: invalid JSON"]
+
+
+def test_a_missing_library_names_the_package(tmp_path, monkeypatch):
+    (tmp_path / "a.pdf").write_bytes(demo.render_pdf([BLOCKS], "x"))
+    real_import = builtins.__import__
+
+    def no_pdfium(name, *args, **kwargs):
+        if name == "pypdfium2":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "pypdfium2", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_pdfium)
+    with pytest.raises(MissingLibrary, match="needs the pypdfium2 package: pip install pypdfium2"):
+        extract_file(tmp_path / "a.pdf")
+
+
+def test_nothing_kept_is_an_error_and_writes_no_output(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "tiny.txt").write_text("hi", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(DataError, match="no text kept from 1 files"):
+        ingest([tmp_path / "docs"], out, progress=False)
+    assert not out.exists()
+    with pytest.raises(DataError, match="no such file or folder"):
+        ingest([tmp_path / "nowhere"], out, progress=False)
+
+
+# ---------------------------------------------------------------------------------------- the pipeline
+def test_split_document_keeps_paragraphs_whole_and_bounds_every_record():
+    text = "\n\n".join(p * 2 for p in PARAGRAPHS * 4)
+    chunks = split_document(text, 500)
+    assert all(len(c) <= 500 for c in chunks) and len(chunks) > 1
+    assert "\n\n".join(chunks) == text  # cut only at paragraph boundaries here
+    one_paragraph = " ".join(PARAGRAPHS * 10)  # no line breaks: cut at sentence ends
+    chunks = split_document(one_paragraph, 300)
+    assert all(len(c) <= 300 and c.endswith(".") for c in chunks)
+    assert words(" ".join(chunks)) == words(one_paragraph)
+    chunks = split_document("x" * 250, 100)  # no boundary at all: hard cuts
+    assert [len(c) for c in chunks] == [100, 100, 50]
+    assert split_document("   ", 100) == []
+
+
+def test_page_furniture_goes_and_content_stays():
+    pages = [[f"Annual report 2024 · chapter {i}", f"The first line of page {'abcde'[i - 1]}.",
+              "A line repeated in the body", f"The last line of page {'abcde'[i - 1]}.", f"Page {i} of 5"]
+             for i in range(1, 6)]
+    kept = strip_page_furniture(pages)
+    assert kept == [[p[1], p[2], p[3]] for p in pages]
+    assert strip_page_furniture(pages[:1]) == [pages[0][:4]]  # one page: nothing recurs, the page number goes
+    assert strip_page_furniture([["Title", "text", "7"]]) == [["Title", "text"]]  # a bare page number goes
+
+
+def test_join_wrapped_lines():
+    lines = ["This sentence was wrapped by the page layout at", "the right margin, and a word was hyphen-",
+             "ated too.", "Short line.", "中文的句子因为版面而在这里换行了，所以后面", "的字要接上。"]
+    assert join_wrapped_lines(lines) == ("This sentence was wrapped by the page layout at the right margin, and a "
+                                         "word was hyphenated too.\nShort line.\n"
+                                         "中文的句子因为版面而在这里换行了，所以后面的字要接上。")
+
+
+def test_languages_are_told_per_record(tmp_path):
+    assert detect_language(PARAGRAPHS[0]) == "en"
+    assert detect_language("床前明月光，疑是地上霜。举头望明月，低头思故乡。") == "zh"
+    assert detect_language("42 !!") == "und"
+    (tmp_path / "en.txt").write_text(" ".join(PARAGRAPHS), encoding="utf-8")
+    (tmp_path / "zh.txt").write_text("床前明月光，疑是地上霜。举头望明月，低头思故乡。" * 3, encoding="utf-8")
+    report = ingest([tmp_path], tmp_path / "out.jsonl", progress=False)
+    assert {k: v["records"] for k, v in report["languages"].items()} == {"en": 1, "zh": 1}
+
+
+def test_duplicates_are_dropped_and_the_output_is_excluded_from_the_input(tmp_path):
+    (tmp_path / "a.txt").write_text(" ".join(PARAGRAPHS), encoding="utf-8")
+    (tmp_path / "copy.md").write_text(" ".join(PARAGRAPHS), encoding="utf-8")
+    (tmp_path / "near.txt").write_text(" ".join(PARAGRAPHS).replace("north", "east"), encoding="utf-8")
+    out = tmp_path / "corpus.jsonl"
+    first = ingest([tmp_path], out, progress=False)
+    assert first["dropped"]["exact_duplicate"] == 1 and first["dropped"]["near_duplicate"] == 1
+    again = ingest([tmp_path], out, progress=False)  # the earlier output sits in the folder: not read
+    assert again["files"]["found"] == 3
+    assert find_files([tmp_path, tmp_path / "a.txt"], exclude=[out]) == find_files([tmp_path], exclude=[out])
+
+
+def test_same_folder_same_bytes(tmp_path):
+    first, second = tmp_path / "1.jsonl", tmp_path / "2.jsonl"
+    ingest([DOCUMENTS], first, progress=False)
+    ingest([DOCUMENTS], second, progress=False)
+    assert first.read_bytes() == second.read_bytes()
+
+
+def test_options_are_checked():
+    with pytest.raises(ConfigError, match="min_chars"):
+        IngestOptions(min_chars=100, max_chars=50)
+    with pytest.raises(ConfigError, match="threshold"):
+        IngestOptions(threshold=0)
+
+
+def test_cli(tmp_path, capsys):
+    (tmp_path / "list.txt").write_text(f"# my files\n{DOCUMENTS / 'notes'}\n", encoding="utf-8")
+    assert main(["--files_from", str(tmp_path / "list.txt"), "--out", str(tmp_path / "c.jsonl"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "files: 18 found, 18 read, 0 skipped" in out and "languages: en" in out
+    assert main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "c.jsonl")]) == 2
+    assert "error: " in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- the bundled folder
+def test_bundled_folder_meets_the_extraction_goals(tmp_path):
+    refs = [json.loads(x) for x in (ROOT / "dataset" / "demo" / "documents_reference.jsonl").read_text(
+        encoding="utf-8").splitlines()]
+    files = {r["file"]: r["text"] for r in refs[1:]}
+    assert sorted(files) == sorted(p.relative_to(DOCUMENTS).as_posix() for p in DOCUMENTS.rglob("*") if p.is_file())
+    out = tmp_path / "corpus.jsonl"
+    report = ingest([DOCUMENTS], out, progress=False)
+    assert report["files"]["skipped"] == 0
+    assert set(report["by_format"]) == {"pdf", "html", "epub", "docx", "markdown", "text", "jsonl"}
+    texts: dict[str, list[str]] = {}
+    for line in out.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        texts.setdefault(bench_ingest.source_file(r["source"], DOCUMENTS), []).append(r["text"])
+    for name, reference in files.items():
+        q = bench_ingest.overlap(reference, "\n\n".join(texts[name]))
+        assert q["recovered"] >= 0.98 and q["boilerplate"] <= 0.02, (name, q)
+
+
+def test_overlap_measure_can_fail():
+    assert bench_ingest.overlap("abcdefghij" * 20, "abcdefghij" * 20) == {"recovered": 1.0, "boilerplate": 0.0}
+    q = bench_ingest.overlap("the reference text of the document", "Home | About | the reference text")
+    assert q["recovered"] < 0.7 and q["boilerplate"] > 0.3
