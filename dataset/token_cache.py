@@ -1,7 +1,7 @@
 """Tokenize once: parallel, streaming preparation of a JSONL file into memory-mapped token arrays.
 
-A cache lives next to the data (`<data>.pocketlm-cache/<kind>-<key>/`, or under --cache_dir) and holds, per
-split ("train", "val"):
+A cache lives next to the data (`<data>.pocketlm-cache/<kind>-<key>/`, or `<cache_dir>/<data name>-<path hash>/
+<kind>-<key>/` under --cache_dir, one folder per file) and holds, per split ("train", "val"):
     <split>.bin   token ids, uint16 (uint32 when the vocabulary exceeds 65536)
     <split>.idx   uint64 offsets: document d is tokens [idx[d], idx[d+1])
     <split>.lbl   (SFT, DPO) uint8, 1 where the token is a training target
@@ -91,6 +91,15 @@ def concat_ids(docs: list[list[int]], dtype: np.dtype) -> np.ndarray:
     return np.concatenate([np.asarray(d, dtype=dtype) for d in docs]) if docs else np.zeros(0, dtype)
 
 
+def cache_root(data_path: Path, cache_dir: str | Path | None = None) -> Path:
+    """Where data_path's caches go: its own folder under cache_dir (several files share a --cache_dir, and the
+    key, which hashes the settings, is the same for each), or beside it (default_cache_root)."""
+    if cache_dir is None:
+        return default_cache_root(data_path)
+    digest = hashlib.sha256(str(data_path.resolve()).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{data_path.name}-{digest}"
+
+
 def default_cache_root(data_path: Path) -> Path:
     """`<data>.pocketlm-cache` beside the data, or a per-user cache when that directory is read-only."""
     if os.access(data_path.parent, os.W_OK):
@@ -135,8 +144,10 @@ def encode_pretrain_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
     docs = tok.encode_batch(texts)
     for d in docs:
         d.append(tok.eot_id)  # documents are joined (and ended) by <|endoftext|>
+    # the text's UTF-8 bytes, for its bytes per token (how well the tokenizer compresses it: compression_note)
+    text_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     return Encoded(np.asarray(linenos, dtype=np.int64), np.asarray([len(d) for d in docs], dtype=np.int64),
-                   concat_ids(docs, token_dtype(tok.vocab_size)), None, errors, {})
+                   concat_ids(docs, token_dtype(tok.vocab_size)), None, errors, {"text_bytes": text_bytes})
 
 
 def encode_sft_chunk(lines: list[tuple[int, bytes]]) -> Encoded:
@@ -329,7 +340,7 @@ def prepare(data_path: str | Path, tokenizer: Tokenizer, kind: CachedKind = TEXT
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     settings = {"val_fraction": val_fraction, "seed": seed, **settings}
     key_src = json.dumps({"v": CACHE_VERSION, "kind": kind, "tok": tokenizer.sha256, **settings}, sort_keys=True)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root(source)
+    root = cache_root(source, cache_dir)
     final = root / f"{kind}-{hashlib.sha256(key_src.encode()).hexdigest()[:16]}"
 
     cache = _load_if_valid(final, source, tokenizer)
@@ -446,5 +457,5 @@ def _build(source: Path, tokenizer: Tokenizer, kind: CachedKind, settings: dict[
     log(f"prepared {source.name}: {meta['splits']['train']['tokens']:,} train / {meta['splits']['val']['tokens']:,} "
         f"val tokens from {docs['train'] + docs['val']:,} records in {meta['build_seconds']:.1f}s "
         f"({mb / max(meta['build_seconds'], 1e-9):.1f} MB/s)" + (f"; {report.summary()}" if report.total else "")
-        + (f"; {stats}" if any(stats.values()) else ""))
+        + (f"; {shown}" if (shown := {k: v for k, v in stats.items() if v and k != "text_bytes"}) else ""))
     return TokenCache(final, meta)

@@ -136,6 +136,18 @@ def test_second_run_reuses_and_changes_rebuild(pretrain_file, tokenizer, tmp_pat
     assert other.path != first.path  # settings are part of the key
 
 
+def test_files_sharing_a_cache_dir_each_get_their_own_cache(tmp_path, tokenizer):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS[:3]])
+    (tmp_path / "sub").mkdir()
+    b = write_jsonl(tmp_path / "sub" / "a.jsonl", [{"text": d} for d in DOCS[3:]])  # the same name elsewhere
+    first = prepare(a, tokenizer, num_workers=0, cache_dir=tmp_path / "c", log=str)
+    second = prepare(b, tokenizer, num_workers=0, cache_dir=tmp_path / "c", log=str)
+    assert first.path != second.path
+    assert first.meta["source"]["path"] == str(a.resolve()) and second.meta["source"]["path"] == str(b.resolve())
+    assert not np.array_equal(first.tokens("train"), second.tokens("train"))
+    assert prepare(a, tokenizer, num_workers=0, cache_dir=tmp_path / "c", log=str).path == first.path  # reused
+
+
 def test_changed_tokenizer_uses_another_cache(pretrain_file, tokenizer, tmp_path):
     from dataset.tokenizer import Tokenizer, save_tokenizer, train_bpe
     save_tokenizer(train_bpe(iter(DOCS), vocab_size=300, min_frequency=1), tmp_path / "tok")
@@ -155,15 +167,16 @@ def test_interrupted_preparation_leaves_no_complete_looking_cache(pretrain_file,
         return token_cache.encode_pretrain_chunk(lines)
 
     monkeypatch.setitem(token_cache.ENCODERS, "pretrain", dying)
-    root = tmp_path / "c"
+    cache_dir = tmp_path / "c"
+    root = token_cache.cache_root(pretrain_file, cache_dir)  # the file's own folder under --cache_dir
     with pytest.raises(KeyboardInterrupt):
-        prepare(pretrain_file, tokenizer, num_workers=0, cache_dir=root, log=str)
+        prepare(pretrain_file, tokenizer, num_workers=0, cache_dir=cache_dir, log=str)
     assert not [p for p in root.iterdir() if p.name != ".lock"]  # nothing left, not even the temp dir
     # a temp dir from a killed process (no cleanup ran) is ignored and removed by the next run
     (root / "pretrain-0000000000000000.tmp-999").mkdir()
     (root / "pretrain-0000000000000000.tmp-999" / "train.bin").write_bytes(b"\0" * 10)
     monkeypatch.setitem(token_cache.ENCODERS, "pretrain", token_cache.encode_pretrain_chunk)
-    cache = prepare(pretrain_file, tokenizer, num_workers=0, cache_dir=root, log=str)
+    cache = prepare(pretrain_file, tokenizer, num_workers=0, cache_dir=cache_dir, log=str)
     assert (cache.path / "meta.json").is_file()
     assert sorted(p.name for p in root.iterdir() if p.name != ".lock") == [cache.path.name]
 

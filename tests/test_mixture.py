@@ -155,6 +155,7 @@ def test_a_mixture_trains_resumes_bit_exactly_and_reports_each_files_validation_
     names = ("chat_a", "chat_b") if stage == "sft" else ("first", "second")
     [val] = [r for r in strict_records(tmp_path / "straight") if r.get("val_loss") is not None and r["step"] == 8]
     each = [val[f"val_loss/{n}"] for n in names]
+    assert each[0] != each[1]  # each file its own split (a shared --cache_dir once gave both the last file's)
     assert val["val_loss"] == pytest.approx(0.7 * each[0] + 0.3 * each[1], abs=2e-5)  # weighted as trained
     mixture = json.loads((tmp_path / "straight/train_config.json").read_text())["resolved"]["data_mixture"]
     assert [(m["name"], m["weight"]) for m in mixture] == list(zip(names, (0.7, 0.3)))
