@@ -22,7 +22,7 @@ import operator
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar
 
 from .errors import ConfigError
 
@@ -289,17 +289,21 @@ def check_bounds(config: Any) -> None:
 
 
 def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None,
-                 scope: Scope | None = None, defaults: dict[str, Any] | None = None) -> C:
+                 scope: Scope | None = None,
+                 defaults: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> C:
     """Parse the command line (and its --config file) into a checked config.
 
+    `defaults` may be a function of the settings given (flags and file), for defaults that depend on them
+    (continued pretraining's learning rate on --init_from); --help shows what it gives for none.
     Usage errors exit through argparse (status 2); a bad config file or value raises ConfigError.
     """
-    parser = build_parser(config_cls, description, scope, defaults)
+    resolve = defaults if callable(defaults) else (lambda _: defaults)
+    parser = build_parser(config_cls, description, scope, resolve({}))
     given = vars(parser.parse_args(argv))
     path = given.pop("config", None)
     values = read_config_file(config_cls, path, scope) if path else {}
     values.update(given)
-    return build_config(config_cls, values, defaults)
+    return build_config(config_cls, values, resolve(values))
 
 
 def to_dict(config: Any, scope: Scope | None = None) -> dict[str, dict[str, Any]]:

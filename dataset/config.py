@@ -96,9 +96,41 @@ def prepare_data(data: DataConfig, tokenizer: Tokenizer, kind: CachedKind, max_s
     on the context length (windows are cut at read time); SFT and DPO caches do, since overlong examples are cut
     or dropped while tokenizing."""
     extra = {"max_seq_len": max_seq_len, "overlong": data.overlong} if kind != TEXT else {}
-    return [(source, prepare(source.path, tokenizer, kind, data.val_fraction, data.split_seed, data.num_workers,
-                             data.skip_bad_lines, data.cache_dir, log=log, **extra))
-            for source in data.sources()]
+    prepared = [(source, prepare(source.path, tokenizer, kind, data.val_fraction, data.split_seed,
+                                 data.num_workers, data.skip_bad_lines, data.cache_dir, log=log, **extra))
+                for source in data.sources()]
+    for source, cache in prepared:
+        if (note := compression_note(source.path, cache, tokenizer)) is not None:
+            log(note)
+    return prepared
+
+
+# A text that takes this many times the tokens per byte of the tokenizer's own text is in a script or language the
+# tokenizer barely learned; without the tokenizer's own figure (compression.json), about a token per byte is its
+# byte-level fallback.
+POOR_COMPRESSION = 1.6
+FALLBACK_BYTES_PER_TOKEN = 1.5
+
+
+def compression_note(path: str, cache: TokenCache, tokenizer: Tokenizer) -> str | None:
+    """A warning when the tokenizer compresses the file's text much worse than its own (None when it does not,
+    or the cache predates the byte count)."""
+    text_bytes = cache.meta.get("stats", {}).get("text_bytes")
+    splits = cache.meta["splits"].values()
+    tokens = sum(s["tokens"] for s in splits) - sum(s["documents"] for s in splits)  # less each <|endoftext|>
+    if not text_bytes or tokens <= 0:
+        return None
+    bpt, own = text_bytes / tokens, tokenizer.own_bytes_per_token
+    if own is not None and own / bpt >= POOR_COMPRESSION:
+        against = f"{own / bpt:.1f} times the tokens per byte of the tokenizer's own text ({own:.2f} bytes a token)"
+    elif own is None and bpt < FALLBACK_BYTES_PER_TOKEN:
+        against = "about one token per byte: the tokenizer falls back to single bytes for most of it"
+    else:
+        return None
+    return (f"warning: {path}: {bpt:.2f} bytes per token, {against}. Another script or language? Each token "
+            "carries less of it and a context window holds less. Training works; to do better, train a tokenizer "
+            "on this text mixed with your general text (train_tokenizer.py) and pretrain a model with it "
+            "(--init_from keeps the start model's tokenizer)")
 
 
 @dataclass

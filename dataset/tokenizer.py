@@ -166,6 +166,16 @@ class Tokenizer:
             raise TokenizerError(f"{file}: a newline encodes to {len(newline)} tokens; byte-level BPE needs one")
         self.newline_id = newline[0]  # ends every chat turn
 
+    @property
+    def own_bytes_per_token(self) -> float | None:
+        """UTF-8 bytes per token on the tokenizer's own held-out text (compression.json beside it, as
+        scripts/build_default_tokenizer.py writes it; None without one)."""
+        try:
+            kinds = json.loads((self.path / "compression.json").read_text(encoding="utf-8"))["heldout_compression"]
+            return sum(k["bytes"] for k in kinds.values()) / sum(k["tokens"] for k in kinds.values())
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            return None
+
     # ------------------------------------------------------------------ plain text
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -1,10 +1,13 @@
 """Validation: every --eval_interval steps, the loss (per token, or per pair for DPO) and the objective's metrics
 on each --data_path file's validation split, over the same --eval_batches batches every time.
 
-With several files each one's loss (and bits per byte) is logged as val_loss/<file stem>, and val_loss itself
-weights them as the files are mixed in training. For a per-token loss with a byte-level tokenizer, "bpb" is the
-loss in bits per UTF-8 byte of the targets. The last val_loss is left in ctx.val_loss (None when no file has
-a validation split) for early stopping and the checkpoint's train_info.json.
+With several files each one's loss (perplexity, bits per byte) is logged as val_loss/<file stem> (val_ppl/...,
+val_bpb/...), and val_loss itself weights them as the files are mixed in training: continued pretraining on new
+text mixed with general text shows both sides, learning and forgetting. A run that starts from trained weights
+(--init_from) is evaluated once before its first step too (a per-token loss: not DPO's, which starts at ln 2 by
+construction), so its step-0 numbers are the start model's. For a per-token loss with a byte-level tokenizer,
+"bpb" is the loss in bits per UTF-8 byte of the targets. The last val_loss is left in ctx.val_loss (None when no
+file has a validation split) for early stopping and the checkpoint's train_info.json.
 """
 from __future__ import annotations
 
@@ -27,6 +30,12 @@ class Evaluation(Component):
 
     def due(self, step: int, last: int) -> bool:
         return every(self.interval, step, last)
+
+    def start(self, ctx: RunContext) -> None:
+        # the baseline of what training changes; not for a per-pair loss (DPO), whose start is ln 2 by construction
+        if ctx.init_dir is not None and ctx.state.step == 0 and ctx.objective.unit == "tokens":
+            with ctx.clock.pause():
+                self.run(ctx)
 
     @torch.no_grad()
     def evaluate(self, ctx: RunContext) -> dict[str, dict[str, float]]:
@@ -76,10 +85,13 @@ class Evaluation(Component):
         if several:
             for key in ("loss", "bpb"):
                 record.update({f"val_{key}/{k}": round(r[key], 5) for k, r in results.items() if key in r})
+            if "val_ppl" in record:
+                record.update({f"val_ppl/{k}": round(math.exp(min(r["loss"], 50)), 3) for k, r in results.items()})
         record["elapsed_s"] = round(ctx.clock.elapsed(), 3)  # training seconds up to this evaluation
         ctx.logger.log(record)
         notes = [f"ppl {record['val_ppl']:.2f}"] if "val_ppl" in record else []
-        notes += [f"{k} {r['loss']:.4f}" for k, r in results.items()] if several else []
+        each_ppl = lambda k: f" (ppl {record[f'val_ppl/{k}']:.2f})" if f"val_ppl/{k}" in record else ""  # noqa: E731
+        notes += [f"{k} {r['loss']:.4f}{each_ppl(k)}" for k, r in results.items()] if several else []
         each_bpb = [f"{k} {r['bpb']:.4f}" for k, r in results.items() if "bpb" in r] if several else []
         extra = "".join(f", {k} {v:.4f}" + (f" ({', '.join(each_bpb)})" if k == "bpb" and each_bpb else "")
                         for k, v in mixed.items() if k != "loss")

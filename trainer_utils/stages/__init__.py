@@ -40,7 +40,7 @@ def get_stage(stage: Stage | str) -> Stage:
 def parse_train_config(stage: Stage | str, argv: list[str] | None, description: str | None) -> TrainConfig:
     """The checked configuration of a training stage's command line (and --config file), with its defaults."""
     stage = get_stage(stage)
-    config = parse_config(stage.config_class, argv, description, stage, stage.defaults)
+    config = parse_config(stage.config_class, argv, description, stage, stage.defaults_for)
     stage.check(config)
     return config
 

@@ -39,6 +39,11 @@ class Stage:
     memory_rows: ClassVar[int] = 1  # sequences per example in a batch, for the memory estimate
     estimates_memory: ClassVar[bool] = True  # whether python -m model --estimate describes its step
 
+    def defaults_for(self, given: dict[str, Any]) -> dict[str, Any]:
+        """Its defaults for shared flags, given the settings set on the command line or in --config: `defaults`,
+        which a stage may vary with them."""
+        return self.defaults
+
     @property
     def adapts(self) -> bool:
         """Whether it may train LoRA adapters instead of every weight."""

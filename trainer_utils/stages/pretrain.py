@@ -15,6 +15,12 @@ class Pretrain(Stage):
     # Muon learns more per token and per second than AdamW from scratch (docs/training.md, dev/LOG.md)
     defaults: ClassVar[dict[str, Any]] = dict(data_path=["dataset/demo/pretrain_demo.jsonl"], batch_size=32,
                                               learning_rate=5e-4, optimizer="auto")
+    # Continued pretraining (--init_from a trained model, e.g. on your own documents; docs/training.md): a fresh
+    # schedule that peaks lower, since the weights already hold what a high rate would overwrite (forgetting)
+    continued: ClassVar[dict[str, Any]] = dict(learning_rate=1e-4, warmup_ratio=0.02)
+
+    def defaults_for(self, given: dict[str, Any]) -> dict[str, Any]:
+        return {**self.defaults, **self.continued} if given.get("init_from") else self.defaults
 
     def data_kind(self, data: DataConfig) -> DataKind:
         return TEXT
