@@ -62,6 +62,10 @@ class DataConfig:
     tokenizer: str | None = option(None, "tokenizer dir (default: model/tokenizer, or the --init_from "
                                          "checkpoint's)", metavar="DIR")
     val_fraction: float = option(0.005, "share of documents held out for validation", at_least=0, below=1)
+    eval_data_path: list[str] | None = option(
+        None, "JSONL file(s) scored at every evaluation beside the --data_path files' validation splits and never "
+              "trained on (val_loss/<file>, val_ppl/<file>), e.g. the documents `python -m dataset.ingest "
+              "--heldout` set aside", metavar="F.jsonl", several=True)
     split_seed: int = option(DEFAULT_SPLIT_SEED, "seed of the document-level train/validation split (part of "
                                                  "the cache key; independent of --seed)")
     num_workers: int | None = option(None, "tokenization processes (default: CPUs, at most 8)", at_least=0)
@@ -95,14 +99,20 @@ def prepare_data(data: DataConfig, tokenizer: Tokenizer, kind: CachedKind, max_s
     """The token cache of each --data_path file (built if missing or stale). Pretraining caches do not depend
     on the context length (windows are cut at read time); SFT and DPO caches do, since overlong examples are cut
     or dropped while tokenizing."""
-    extra = {"max_seq_len": max_seq_len, "overlong": data.overlong} if kind != TEXT else {}
-    prepared = [(source, prepare(source.path, tokenizer, kind, data.val_fraction, data.split_seed,
-                                 data.num_workers, data.skip_bad_lines, data.cache_dir, log=log, **extra))
+    prepared = [(source, prepare_file(source.path, data, tokenizer, kind, max_seq_len, data.val_fraction, log))
                 for source in data.sources()]
     for source, cache in prepared:
         if (note := compression_note(source.path, cache, tokenizer)) is not None:
             log(note)
     return prepared
+
+
+def prepare_file(path: str, data: DataConfig, tokenizer: Tokenizer, kind: CachedKind, max_seq_len: int,
+                 val_fraction: float, log: Callable[[str], None]) -> TokenCache:
+    """One file's token cache, with the data settings."""
+    extra = {"max_seq_len": max_seq_len, "overlong": data.overlong} if kind != TEXT else {}
+    return prepare(path, tokenizer, kind, val_fraction, data.split_seed, data.num_workers, data.skip_bad_lines,
+                   data.cache_dir, log=log, **extra)
 
 
 # A text that takes this many times the tokens per byte of the tokenizer's own text is in a script or language the
@@ -135,7 +145,8 @@ def compression_note(path: str, cache: TokenCache, tokenizer: Tokenizer) -> str 
 
 @dataclass
 class ValSet:
-    """One source's validation split, and its weight in the mixture's validation loss."""
+    """One source's validation split (or a whole --eval_data_path file), and its weight in the mixture's validation
+    loss (0 for an --eval_data_path file: scored, not mixed in)."""
 
     name: str
     weight: float
@@ -175,7 +186,8 @@ def training_data(data: DataConfig, tokenizer: Tokenizer, kind: DataKind, max_se
     given = [s.weight for s in sources]
     weights = given if given[0] is not None else [float(len(p)) for p in parts]
     weights = [w / sum(weights) for w in weights]
-    names = _unique_names([s.name for s in sources])
+    eval_only = data.eval_data_path or []
+    names = _unique_names([s.name for s in sources] + [Path(p).stem for p in eval_only])
     val = []
     for name, weight, (_, cache) in zip(names, weights, prepared):
         if not cache.meta["splits"]["val"]["documents"]:
@@ -187,6 +199,9 @@ def training_data(data: DataConfig, tokenizer: Tokenizer, kind: DataKind, max_se
             continue
         if len(v):
             val.append(ValSet(name, weight, v))
+    # held-out files: all of each is scored (its "train" split with nothing held back), weighted 0 in val_loss
+    for name, path in zip(names[len(sources):], eval_only):
+        val.append(ValSet(name, 0.0, make(prepare_file(path, data, tokenizer, kind, max_seq_len, 0.0, log), "train")))
     # one source: its own order, exactly as without mixing; several: drawn by weight (SFT and DPO in whole
     # batches, so each batch comes from one file)
     unit = batch_size if kind != TEXT else 1

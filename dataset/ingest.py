@@ -24,6 +24,7 @@ duplicates, languages, and the time each format took (pages/s, MB/s).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -39,6 +40,7 @@ from dataset.extract import Extracted, Unreadable, extract_file, file_format
 from dataset.jsonl import SkipReport, write_atomic
 
 UNDETERMINED = "und"
+HELD = "_heldout"  # a record's mark, in the pipeline only, that its document is held out
 _LANGUAGE_SAMPLE = 4000  # characters looked at to tell a record's language
 
 
@@ -50,6 +52,7 @@ class IngestOptions:
     min_chars: int = 20  # records shorter than this after cleaning are dropped
     encoding: str | None = None  # for text files not in UTF-8; None: such a file is skipped, with the reason
     skip_bad_lines: bool = False  # JSONL: skip and count bad lines instead of skipping the file
+    heldout: float = 0.0  # share of documents written to <out stem>.heldout.jsonl instead of <out>
     near_dedup: bool = True
     threshold: float = 0.8
     shingle_size: int = 5
@@ -61,6 +64,8 @@ class IngestOptions:
             raise ConfigError(f"need 1 <= --min_chars <= --max_chars, got {self.min_chars} and {self.max_chars}")
         if not 0.0 < self.threshold <= 1.0:
             raise ConfigError(f"--threshold must be in (0, 1], got {self.threshold}")
+        if not 0.0 <= self.heldout < 1.0:
+            raise ConfigError(f"--heldout must be in [0, 1), got {self.heldout}")
 
 
 # ---------------------------------------------------------------------------------------------- the files
@@ -125,6 +130,20 @@ def split_document(text: str, max_chars: int) -> list[str]:
     if current.strip():
         chunks.append(current.strip())
     return chunks
+
+
+# ------------------------------------------------------------------------------------------------ held out
+def heldout_path(out: str | Path) -> Path:
+    """Where --heldout documents go: corpus.jsonl -> corpus.heldout.jsonl."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.heldout{out.suffix or '.jsonl'}")
+
+
+def is_heldout(where: str, share: float) -> bool:
+    """Whether the document at `where` (a file, `file#chapter`, `file:line`) is held out: a hash of its name
+    against the share, so a document's parts stay together and the choice does not depend on the rest."""
+    digest = hashlib.sha256(where.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") < share * 2**64
 
 
 # ------------------------------------------------------------------------------------------------ language
@@ -215,7 +234,7 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
     out = Path(out)
     if out.is_dir():
         raise DataError(f"{out}: is a folder, expected an output .jsonl path")
-    files = find_files(inputs, exclude=[out, report_path(out)])
+    files = find_files(inputs, exclude=[out, report_path(out), heldout_path(out)])
     if not files:
         raise DataError(f"{', '.join(map(str, inputs))}: no files found")
     bar = tqdm(files, unit="file", desc="ingest", disable=not progress, file=sys.stderr, dynamic_ncols=True)
@@ -230,26 +249,38 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
             for doc in extracted.documents if extracted else []:
                 chunks = split_document(doc.text, opts.max_chars)
                 stats.split_documents += len(chunks) > 1
+                held = is_heldout(doc.where, opts.heldout)
                 for part, chunk in enumerate(chunks, 1):
-                    yield 0, {"text": chunk, "source": doc.where, "part": part}
+                    yield 0, {"text": chunk, "source": doc.where, "part": part, HELD: held}
+
+    heldout: list[bytes] = []  # a small share: kept in memory, written after the corpus
 
     def lines() -> Iterator[bytes]:
         # No HTML stripping: the readers already took the text out of its markup, so what looks like a tag or
-        # an entity in it ("<b>", "&gt;" in a page about HTML) is content
+        # an entity in it ("<b>", "&gt;" in a page about HTML) is content. One deduplication for both outputs:
+        # a held-out record that repeats a training one is dropped, as any duplicate.
         for record in clean_records(records(), CleanOptions(strip_html=False), deduper, opts.min_chars, None,
                                     clean_stats):
+            held = record.pop(HELD)
             at = time.perf_counter()
             record["lang"] = lang = detect_language(record["text"])
             stats.language_s += time.perf_counter() - at
             stats.languages[lang].update(records=1, chars=len(record["text"]))
-            yield (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+            line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+            if held:
+                heldout.append(line)
+            else:
+                yield line
 
     try:
         write_atomic(out, lines())
     finally:
         bar.close()
-    if not clean_stats.kept:
+    if opts.heldout:
+        write_atomic(heldout_path(out), heldout)
+    if clean_stats.kept == len(heldout):  # nothing to train on (or nothing at all)
         out.unlink(missing_ok=True)
+        heldout_path(out).unlink(missing_ok=True)
         why = f"; skipped: {'; '.join(stats.skipped[:3])}" if stats.skipped else ""
         raise DataError(f"no text kept from {len(files)} files under {', '.join(map(str, inputs))}{why}")
     elapsed = time.perf_counter() - start
@@ -264,6 +295,7 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
         "bad_lines": {"total": bad_lines.total, "reasons": dict(bad_lines.counts), "first": bad_lines.examples},
         "records": {"from_documents": clean_stats.records, "kept": clean_stats.kept,
                     "documents_split": stats.split_documents},
+        "heldout": {"output": str(heldout_path(out)), "records": len(heldout)} if opts.heldout else None,
         "dropped": {r: clean_stats.dropped.get(r, 0)
                     for r in ("empty_after_cleaning", "too_short", "exact_duplicate", "near_duplicate")},
         "chars": {"extracted": clean_stats.chars_in, "kept": clean_stats.chars_out},
@@ -295,6 +327,8 @@ def format_report(report: dict[str, Any]) -> str:
                     f"({'; '.join(report['bad_lines']['first'])})")
     rows.append(f"  records: {r['from_documents']:,} from the documents ({r['documents_split']:,} documents split), "
                 f"{r['kept']:,} kept")
+    if report["heldout"]:
+        rows.append(f"  held out: {report['heldout']['records']:,} of them -> {report['heldout']['output']}")
     rows.append("  dropped: " + ", ".join(f"{k} {n:,}" for k, n in report["dropped"].items()))
     rows.append(f"  chars: {c['extracted']:,} extracted, {c['kept']:,} kept")
     rows.append("  languages: " + ", ".join(f"{lang} {s['records']:,} records / {s['chars']:,} chars"
@@ -328,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
                                       "without it such files are skipped, with the reason")
     p.add_argument("--skip_bad_lines", action="store_true", help="JSONL: skip and count bad lines (without it, "
                                                                  "a file with a bad line is skipped, naming it)")
+    p.add_argument("--heldout", type=float, default=0.0, metavar="SHARE",
+                   help="share of documents (whole files, EPUB chapters, JSONL lines; chosen by a hash of their "
+                        "name) written to <out stem>.heldout.jsonl instead, to measure the adapted model on "
+                        "(train_pretrain.py --eval_data_path)")
     p.add_argument("--no_near_dedup", action="store_true", help="exact deduplication only")
     p.add_argument("--threshold", type=float, default=d.threshold,
                    help="Jaccard similarity that counts as a near-duplicate (default: %(default)s)")
@@ -338,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         if not inputs:
             p.error("name at least one folder or file (or --files_from LIST)")
         opts = IngestOptions(max_chars=args.max_chars, min_chars=args.min_chars, encoding=args.encoding,
-                             skip_bad_lines=args.skip_bad_lines, near_dedup=not args.no_near_dedup,
+                             skip_bad_lines=args.skip_bad_lines, heldout=args.heldout,
+                             near_dedup=not args.no_near_dedup,
                              threshold=args.threshold)
         report = ingest(inputs, args.out, opts, progress=not args.quiet and sys.stderr.isatty())
     except (ConfigError, DataError) as e:

@@ -110,3 +110,14 @@ def test_without_the_tokenizers_own_figure_the_byte_fallback_is_warned_about(tmp
               for p in (russian, english)}
     assert "falls back to single bytes" in compression_note(str(russian), caches[russian], tokenizer)
     assert compression_note(str(english), caches[english], tokenizer) is None
+
+
+def test_an_eval_only_file_is_scored_whole_and_weighs_nothing_in_val_loss(two_sources, start_run, tmp_path):
+    heldout = write_jsonl(tmp_path / "domain.heldout.jsonl",
+                          [json.loads(x) for x in two_sources["pretrain_b"].read_text().splitlines()[:6]])
+    argv = continued(two_sources, start_run, tmp_path, "scored", max_steps=4, eval_interval=4,
+                     eval_data_path=heldout)
+    assert train_pretrain.main(argv) == 0
+    for r in [r for r in strict_records(tmp_path / "scored") if "val_loss" in r]:
+        assert r["val_ppl/domain.heldout"] == pytest.approx(math.exp(r["val_loss/domain.heldout"]), rel=1e-4)
+        assert r["val_loss"] == pytest.approx(0.7 * r["val_loss/second"] + 0.3 * r["val_loss/first"], abs=2e-5)

@@ -343,3 +343,20 @@ def test_overlap_measure_can_fail():
     assert bench_ingest.overlap("abcdefghij" * 20, "abcdefghij" * 20) == {"recovered": 1.0, "boilerplate": 0.0}
     q = bench_ingest.overlap("the reference text of the document", "Home | About | the reference text")
     assert q["recovered"] < 0.7 and q["boilerplate"] > 0.3
+
+
+def test_heldout_documents_go_to_their_own_file_whole(tmp_path):
+    from dataset.ingest import heldout_path, is_heldout
+
+    out = tmp_path / "corpus.jsonl"
+    report = ingest([DOCUMENTS], out, IngestOptions(heldout=0.2, max_chars=2000), progress=False)
+    held = [json.loads(x) for x in heldout_path(out).read_text(encoding="utf-8").splitlines()]
+    kept = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert heldout_path(out).name == "corpus.heldout.jsonl" and report["heldout"]["records"] == len(held) > 0
+    assert len(held) + len(kept) == report["records"]["kept"]
+    assert {r["source"] for r in held}.isdisjoint(r["source"] for r in kept)  # every part of a document together
+    assert all(is_heldout(r["source"], 0.2) for r in held) and not any(is_heldout(r["source"], 0.2) for r in kept)
+    again = ingest([DOCUMENTS], tmp_path / "again.jsonl", IngestOptions(heldout=0.2, max_chars=2000), progress=False)
+    assert again["heldout"]["records"] == len(held)
+    with pytest.raises(ConfigError, match="heldout"):
+        IngestOptions(heldout=1.0)

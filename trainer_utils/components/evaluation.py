@@ -2,8 +2,9 @@
 on each --data_path file's validation split, over the same --eval_batches batches every time.
 
 With several files each one's loss (perplexity, bits per byte) is logged as val_loss/<file stem> (val_ppl/...,
-val_bpb/...), and val_loss itself weights them as the files are mixed in training: continued pretraining on new
-text mixed with general text shows both sides, learning and forgetting. A run that starts from trained weights
+val_bpb/...), and val_loss itself weights them as the files are mixed in training (an --eval_data_path file,
+scored whole and never trained on, weighs nothing in it): continued pretraining on new text mixed with general
+text shows both sides, learning and forgetting. A run that starts from trained weights
 (--init_from) is evaluated once before its first step too (a per-token loss: not DPO's, which starts at ln 2 by
 construction), so its step-0 numbers are the start model's. For a per-token loss with a byte-level tokenizer,
 "bpb" is the loss in bits per UTF-8 byte of the targets. The last val_loss is left in ctx.val_loss (None when no
@@ -74,6 +75,8 @@ class Evaluation(Component):
             return
         step = ctx.state.step
         weights = {v.name: v.weight for v in ctx.val_sets if v.name in results}
+        if not any(weights.values()):  # only --eval_data_path files were scored: their plain mean
+            weights = dict.fromkeys(weights, 1.0)
         mixed = {key: sum(weights[k] * r[key] for k, r in results.items()) / sum(weights.values())
                  for key in next(iter(results.values())) if all(key in r for r in results.values())}
         val_loss = ctx.val_loss = mixed["loss"]
@@ -81,7 +84,7 @@ class Evaluation(Component):
                   **{f"val_{k}": round(v, 5) for k, v in mixed.items() if k != "loss"}}
         if ctx.objective.unit == "tokens":  # a perplexity is per token; DPO's loss is per pair
             record["val_ppl"] = round(math.exp(min(val_loss, 50)), 3)  # capped: a diverged run stays finite
-        several = len(ctx.data_sources) > 1
+        several = len(results) > 1
         if several:
             for key in ("loss", "bpb"):
                 record.update({f"val_{key}/{k}": round(r[key], 5) for k, r in results.items() if key in r})
