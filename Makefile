@@ -14,7 +14,7 @@ DEMO_SFT_STEPS ?=
 DEMO_START := $(shell date +%s)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check -q
 
-.PHONY: install install-dev test test-fast lint demo demo-post demo-rl demo-tools demo-agent demo-moe bench
+.PHONY: install install-dev test test-fast lint demo demo-post demo-rl demo-tools demo-agent demo-domain demo-moe bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
@@ -138,6 +138,17 @@ demo-agent: install
 		--init_from $(DEMO_OUT)/demo-agent-sft
 	$(PYTHON) eval_model.py --checkpoint $(DEMO_OUT)/demo-agent $(AGENT_HELDOUT)
 	$(PYTHON) scripts/plot_metrics.py $(DEMO_OUT)/demo-agent
+
+# Your documents (after `make demo`): the bundled example folder (dataset/demo/documents/: PDF, HTML, EPUB, DOCX,
+# Markdown, text, JSONL) ingested into a corpus with a fifth of its documents held out, the demo model pretrained
+# further on it with the demo corpus replayed at 30% (recipes/demo-domain.yaml), and each validation file's
+# perplexity before and after: the held-out documents (learning) and the demo corpus (forgetting).
+demo-domain: install
+	$(PYTHON) -m dataset.ingest dataset/demo/documents --out $(DEMO_OUT)/domain/corpus.jsonl --heldout 0.2 --quiet
+	$(PYTHON) train_pretrain.py --config recipes/demo-domain.yaml --out_dir $(DEMO_OUT) --overwrite \
+		--init_from $(DEMO_OUT)/demo-pretrain --data_path $(DEMO_OUT)/domain/corpus.jsonl:0.7 \
+		dataset/demo/pretrain_demo.jsonl:0.3 --eval_data_path $(DEMO_OUT)/domain/corpus.heldout.jsonl
+	$(PYTHON) scripts/summarize_runs.py $(DEMO_OUT)/demo-domain --before_after
 
 # A mixture of experts on the demo corpus (recipes/demo-moe-pretrain.yaml: the demo model's shape, 8 experts top-2 at the
 # dense model's compute), then the same with auxiliary-loss-free balancing; perplexity and each layer's router load

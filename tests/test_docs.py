@@ -12,7 +12,7 @@ import model.__main__ as model_main
 import serve_openai_api
 import train_full_sft
 import train_tokenizer
-from dataset import cache, clean, inspect
+from dataset import cache, clean, ingest, inspect
 from launch import slurm
 from model import convert
 from trainer_utils.stages import STAGES
@@ -24,11 +24,13 @@ LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch", 
 # every training script (one per registered stage), then the other entry points
 ENTRY_POINTS = {**{s.script: importlib.import_module(s.script.removesuffix(".py")).main for s in STAGES.values()},
                 "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,
+                "dataset.ingest": ingest.main,
                 "dataset.inspect": inspect.main, "model": model_main.main,
                 "model.convert": convert.main, "train_tokenizer.py": train_tokenizer.main, "launch.slurm": slurm.main,
                 "serve_openai_api.py": serve_openai_api.main}
-# Flags of other programs that the docs show next to ours.
-EXTERNAL = {"--nproc_per_node", "--local-rank", "--help"}
+# Flags of other programs that the docs and messages show next to ours (torchrun; qpdf and LibreOffice's soffice,
+# which dataset.ingest's skip reasons suggest).
+EXTERNAL = {"--nproc_per_node", "--local-rank", "--help", "--decrypt", "--password", "--convert-to"}
 
 
 class _Parsed(BaseException):  # BaseException: no entry point's error handling may swallow it
