@@ -280,7 +280,7 @@ def _ends_sentence(line: str, m: re.Match) -> bool:
     if after.lstrip()[:1].islower():
         return False  # 'He asked "why?" and left', "approx. five": a lower-case word continues the sentence
     if punct == ".":
-        words = line[:m.start()].split()
+        words = line[max(0, m.start() - 64):m.start()].split()  # the word before it (not the whole line: O(n^2))
         word = words[-1].lstrip(_OPENERS) if words else ""
         if word + "." in ABBREVIATIONS or (len(word) == 1 and word.isupper()):
             return False

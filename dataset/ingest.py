@@ -151,7 +151,7 @@ def detect_language(text: str) -> str:
     """The ISO 639-1 code of the text's language (py3langid over its first characters), or "und" when there is
     too little text to tell or py3langid is not installed (`pip install py3langid`)."""
     sample = text[:_LANGUAGE_SAMPLE]
-    if sum(c.isalpha() for c in sample) < 10:
+    if sum(map(str.isalpha, sample)) < 10:
         return UNDETERMINED
     try:
         import py3langid
