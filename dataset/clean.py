@@ -40,7 +40,7 @@ import unicodedata
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 from datasketch import MinHash, MinHashLSH
@@ -760,17 +760,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need --shingle_size >= 1, --num_perm >= 2 and 0 < --threshold <= 1")
 
     opts = CleanOptions(args.unicode_form, not args.ascii_cjk_punct, not args.no_strip_html, args.max_blank_lines)
+    return report_or_error(lambda: clean_file(args.data_path, args.out, args.kind, args.skip_bad_lines, opts,
+                                              not args.no_near_dedup, args.shingle_size, args.num_perm,
+                                              args.threshold, args.seed, args.min_chars, args.max_chars,
+                                              split=args.split),
+                           args.out, format_report)
+
+
+def report_or_error(run: Callable[[], dict[str, Any]], out: str, describe: Callable[[dict[str, Any]], str]) -> int:
+    """A data command's ending: its report described on stdout (exit 0), or one `error:` line on stderr (exit 2
+    for bad input or settings, 1 when the file system fails, naming the file)."""
     try:
-        report = clean_file(args.data_path, args.out, args.kind, args.skip_bad_lines, opts,
-                            not args.no_near_dedup, args.shingle_size, args.num_perm, args.threshold, args.seed,
-                            args.min_chars, args.max_chars, split=args.split)
+        report = run()
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {e.filename or out}: {e.strerror or e}", file=sys.stderr)
         return 1
-    print(format_report(report))
+    print(describe(report))
     return 0
 
 

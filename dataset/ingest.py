@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from common.errors import ConfigError, DataError
-from dataset.clean import CleanOptions, CleanStats, Deduper, clean_records, report_path, sentence_pieces
+from dataset.clean import (
+    CleanOptions,
+    CleanStats,
+    Deduper,
+    clean_records,
+    report_or_error,
+    report_path,
+    sentence_pieces,
+)
 from dataset.extract import Extracted, Unreadable, extract_file, file_format
 from dataset.jsonl import SkipReport, write_atomic
 
@@ -371,23 +379,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="Jaccard similarity that counts as a near-duplicate (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    try:
+
+    def run() -> dict[str, Any]:
         inputs = list(args.inputs) + (_listed(args.files_from) if args.files_from else [])
         if not inputs:
             p.error("name at least one folder or file (or --files_from LIST)")
         opts = IngestOptions(max_chars=args.max_chars, min_chars=args.min_chars, encoding=args.encoding,
                              skip_bad_lines=args.skip_bad_lines, heldout=args.heldout,
-                             near_dedup=not args.no_near_dedup,
-                             threshold=args.threshold)
-        report = ingest(inputs, args.out, opts, progress=not args.quiet and sys.stderr.isatty())
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    print(format_report(report))
-    return 0
+                             near_dedup=not args.no_near_dedup, threshold=args.threshold)
+        return ingest(inputs, args.out, opts, progress=not args.quiet and sys.stderr.isatty())
+
+    return report_or_error(run, args.out, format_report)
 
 
 if __name__ == "__main__":

@@ -121,3 +121,22 @@ def test_an_eval_only_file_is_scored_whole_and_weighs_nothing_in_val_loss(two_so
     for r in [r for r in strict_records(tmp_path / "scored") if "val_loss" in r]:
         assert r["val_ppl/domain.heldout"] == pytest.approx(math.exp(r["val_loss/domain.heldout"]), rel=1e-4)
         assert r["val_loss"] == pytest.approx(0.7 * r["val_loss/second"] + 0.3 * r["val_loss/first"], abs=2e-5)
+
+
+@pytest.mark.slow  # two ranks in real processes
+def test_two_ranks_continue_like_one_process_and_evaluate_the_start_alike(two_sources, start_run, tmp_path):
+    from test_distributed import losses, single, torchrun
+
+    heldout = write_jsonl(tmp_path / "domain.heldout.jsonl",
+                          [json.loads(x) for x in two_sources["pretrain_b"].read_text().splitlines()[:6]])
+    argv = lambda run, batch: continued(two_sources, start_run, tmp_path, run, batch_size=batch,  # noqa: E731
+                                        max_steps=4, eval_interval=4, eval_data_path=heldout, learning_rate=3e-3,
+                                        sample_prompts="none")
+    single(argv("single", 8))
+    torchrun(2, argv("ddp", 4))
+    assert losses(tmp_path / "single") == pytest.approx(losses(tmp_path / "ddp"), abs=1e-5)
+    evals = [[r for r in strict_records(tmp_path / run) if "val_loss" in r] for run in ("single", "ddp")]
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, 4]
+    for a, b in zip(*evals):
+        for key in ("val_loss/first", "val_loss/second", "val_loss/domain.heldout"):
+            assert a[key] == pytest.approx(b[key], abs=2e-5)
