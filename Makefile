@@ -141,11 +141,11 @@ demo-agent: install
 
 # Your documents (after `make demo`): the bundled example folder (dataset/demo/documents/: PDF, HTML, EPUB, DOCX,
 # Markdown, text, JSONL) ingested into a corpus with a fifth of its documents held out, the demo model pretrained
-# further on it with the demo corpus replayed at half the windows (recipes/demo-domain.yaml), and each
+# further on it with the demo corpus replayed at half the windows (recipes/demo-domain-pretrain.yaml), and each
 # validation file's perplexity before and after: the held-out documents (learning), the demo corpus (forgetting).
 demo-domain: install
 	$(PYTHON) -m dataset.ingest dataset/demo/documents --out $(DEMO_OUT)/domain/corpus.jsonl --heldout 0.2 --quiet
-	$(PYTHON) train_pretrain.py --config recipes/demo-domain.yaml --out_dir $(DEMO_OUT) --overwrite \
+	$(PYTHON) train_pretrain.py --config recipes/demo-domain-pretrain.yaml --out_dir $(DEMO_OUT) --overwrite \
 		--init_from $(DEMO_OUT)/demo-pretrain --data_path $(DEMO_OUT)/domain/corpus.jsonl:0.5 \
 		dataset/demo/pretrain_demo.jsonl:0.5 --eval_data_path $(DEMO_OUT)/domain/corpus.heldout.jsonl
 	$(PYTHON) scripts/summarize_runs.py $(DEMO_OUT)/demo-domain --before_after

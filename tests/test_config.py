@@ -112,7 +112,7 @@ def test_every_recipe_parses_for_its_stage():
         stage = recipe_stage(path)
         config = parse_train_config(stage, ["--config", str(path)], "")
         assert recipe_values(path, stage), path
-        trains_on_a_model = stage in ("sft", "lora", "dpo", "grpo", "agent")
+        trains_on_a_model = stage in ("sft", "lora", "dpo", "grpo", "agent") or path.stem in CONTINUED_PRETRAINING
         assert (config.model.init_from is not None) == trains_on_a_model or stage == "distill", path
         assert (getattr(config.objective, "teacher", None) is not None) == (stage == "distill"), path
     gpt2 = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/gpt2-100m-pretrain.yaml")], "")
@@ -125,6 +125,10 @@ def test_every_recipe_parses_for_its_stage():
 def sibling(path: Path, stage: str) -> Path:
     """The recipe of the same model for another stage."""
     return path.with_name(f"{path.stem.rsplit('-', 1)[0]}-{stage}.yaml")
+
+
+# pretraining recipes that start from a trained model (the rest start from scratch)
+CONTINUED_PRETRAINING = {"demo-domain-pretrain"}
 
 
 def recipe_stage(path) -> str:
@@ -147,9 +151,14 @@ def test_every_recipe_trains_two_steps(corpus, tmp_path):
              str(tmp_path), "--max_steps", "2", "--batch_size", "1", "--accumulation_steps", "1",
              "--max_seq_len", "32", "--num_workers", "0", "--eval_interval", "2", "--save_interval", "2",
              "--eval_task_items", "2"]  # a recipe's held-out task runs, on two items (the tool set's 200 took minutes)
-    for path in [p for p in RECIPES if p.stem.endswith("pretrain")]:
+    for path in [p for p in RECIPES if p.stem.endswith("pretrain") and p.stem not in CONTINUED_PRETRAINING]:
         extra = ["--tokenizer", str(ROOT / "model/tokenizer")] if "gpt2" in path.stem else []  # no 16k one here
         assert train_pretrain.main(["--config", str(path), *small, *extra, "--num_hidden_layers", "2"]) == 0, path
+    # continued pretraining on the pretraining run it starts from, the small data also as the held-out file
+    for path in [p for p in RECIPES if p.stem in CONTINUED_PRETRAINING]:
+        start = tmp_path / Path(recipe_values(path, "pretrain")["init_from"]).name
+        args = [*small, "--init_from", str(start), "--eval_data_path", str(corpus["pretrain"])]
+        assert train_pretrain.main(["--config", str(path), *args]) == 0, path
     # SFT on a pretraining recipe's run, or on another SFT recipe's run (demo-math-sft on demo-sft,
     # demo-tool-pass2-sft on demo-tool-sft): each runs once the run it starts from exists, whatever the names' order
     pending = {}
