@@ -96,16 +96,19 @@ def cache_root(data_path: Path, cache_dir: str | Path | None = None) -> Path:
     key, which hashes the settings, is the same for each), or beside it (default_cache_root)."""
     if cache_dir is None:
         return default_cache_root(data_path)
-    digest = hashlib.sha256(str(data_path.resolve()).encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"{data_path.name}-{digest}"
+    return Path(cache_dir) / _folder_of(data_path)
 
 
 def default_cache_root(data_path: Path) -> Path:
     """`<data>.pocketlm-cache` beside the data, or a per-user cache when that directory is read-only."""
     if os.access(data_path.parent, os.W_OK):
         return data_path.parent / f"{data_path.name}.pocketlm-cache"
-    digest = hashlib.sha256(str(data_path.resolve()).encode()).hexdigest()[:16]
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pocketlm" / f"{data_path.name}-{digest}"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pocketlm" / _folder_of(data_path)
+
+
+def _folder_of(data_path: Path) -> str:
+    """A data file's folder in a cache directory that other files share: its name and a hash of its full path."""
+    return f"{data_path.name}-{hashlib.sha256(str(data_path.resolve()).encode()).hexdigest()[:16]}"
 
 
 # ----------------------------------------------------------------------- chunk encoders

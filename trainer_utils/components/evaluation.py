@@ -22,6 +22,11 @@ from ..objectives import target_bytes
 from .base import Component
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss) as logged, capped so that a diverged run stays finite."""
+    return round(math.exp(min(loss, 50)), 3)
+
+
 class Evaluation(Component):
     pauses_clock = True
 
@@ -83,13 +88,13 @@ class Evaluation(Component):
         record = {"step": step, "val_loss": round(val_loss, 5),
                   **{f"val_{k}": round(v, 5) for k, v in mixed.items() if k != "loss"}}
         if ctx.objective.unit == "tokens":  # a perplexity is per token; DPO's loss is per pair
-            record["val_ppl"] = round(math.exp(min(val_loss, 50)), 3)  # capped: a diverged run stays finite
+            record["val_ppl"] = perplexity(val_loss)
         several = len(results) > 1
         if several:
             for key in ("loss", "bpb"):
                 record.update({f"val_{key}/{k}": round(r[key], 5) for k, r in results.items() if key in r})
             if "val_ppl" in record:
-                record.update({f"val_ppl/{k}": round(math.exp(min(r["loss"], 50)), 3) for k, r in results.items()})
+                record.update({f"val_ppl/{k}": perplexity(r["loss"]) for k, r in results.items()})
         record["elapsed_s"] = round(ctx.clock.elapsed(), 3)  # training seconds up to this evaluation
         ctx.logger.log(record)
         notes = [f"ppl {record['val_ppl']:.2f}"] if "val_ppl" in record else []
