@@ -50,6 +50,7 @@ from dataset.jsonl import SkipReport, write_atomic
 UNDETERMINED = "und"
 HELD = "_heldout"  # a record's mark, in the pipeline only, that its document is held out
 _LANGUAGE_SAMPLE = 4000  # characters looked at to tell a record's language
+_LANGUAGE_BLOCK = 256  # records cleaned before their languages are told (see lines() in ingest)
 
 
 @dataclass
@@ -263,22 +264,36 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
 
     heldout: list[bytes] = []  # a small share: kept in memory, written after the corpus
 
-    def lines() -> Iterator[bytes]:
-        # No HTML stripping: the readers already took the text out of its markup, so what looks like a tag or
-        # an entity in it ("<b>", "&gt;" in a page about HTML) is content. One deduplication for both outputs:
-        # a held-out record that repeats a training one is dropped, as any duplicate.
-        for record in clean_records(records(), CleanOptions(strip_html=False), deduper, opts.min_chars, None,
-                                    clean_stats):
+    def labelled(block: list[dict[str, Any]]) -> Iterator[bytes]:
+        at = time.perf_counter()
+        langs = [detect_language(record["text"]) for record in block]
+        stats.language_s += time.perf_counter() - at
+        for record, lang in zip(block, langs):
             held = record.pop(HELD)
-            at = time.perf_counter()
-            record["lang"] = lang = detect_language(record["text"])
-            stats.language_s += time.perf_counter() - at
-            stats.languages[lang].update(records=1, chars=len(record["text"]))
+            record["lang"] = lang
+            stats.languages[lang]["records"] += 1
+            stats.languages[lang]["chars"] += len(record["text"])
             line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
             if held:
                 heldout.append(line)
             else:
                 yield line
+
+    def lines() -> Iterator[bytes]:
+        # No HTML stripping: the readers already took the text out of its markup, so what looks like a tag or
+        # an entity in it ("<b>", "&gt;" in a page about HTML) is content. One deduplication for both outputs:
+        # a held-out record that repeats a training one is dropped, as any duplicate.
+        # Languages are told a block of records at a time: the language model's tables and the deduplication's
+        # index each stay in the CPU's caches through a block, where one record of each in turn evicted the
+        # other's (cleaning took 1.3x as long interleaved with language detection as without it).
+        block: list[dict[str, Any]] = []
+        for record in clean_records(records(), CleanOptions(strip_html=False), deduper, opts.min_chars, None,
+                                    clean_stats):
+            block.append(record)
+            if len(block) == _LANGUAGE_BLOCK:
+                yield from labelled(block)
+                block = []
+        yield from labelled(block)
 
     try:
         write_atomic(out, lines())

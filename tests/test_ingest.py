@@ -19,7 +19,7 @@ from dataset.extract import (
     join_wrapped_lines,
     strip_page_furniture,
 )
-from dataset.ingest import IngestOptions, detect_language, find_files, ingest, main, split_document
+from dataset.ingest import IngestOptions, detect_language, find_files, heldout_path, ingest, main, split_document
 
 from conftest import ROOT
 
@@ -285,6 +285,22 @@ def test_languages_are_told_per_record(tmp_path):
     assert {k: v["records"] for k, v in report["languages"].items()} == {"en": 1, "zh": 1}
 
 
+def test_languages_told_in_blocks_give_the_same_bytes(tmp_path, monkeypatch):
+    # Records are cleaned a block at a time before their languages are told: a partial last block, held-out
+    # records and the order of the output must not depend on the block's size.
+    import dataset.ingest as ingest_module
+
+    options = IngestOptions(heldout=0.3, max_chars=2000)
+    whole = tmp_path / "whole.jsonl"
+    ingest([DOCUMENTS], whole, options, progress=False)
+    monkeypatch.setattr(ingest_module, "_LANGUAGE_BLOCK", 4)
+    blocks = tmp_path / "blocks.jsonl"
+    report = ingest([DOCUMENTS], blocks, options, progress=False)
+    assert report["records"]["kept"] % 4 != 0  # a partial last block is part of the test
+    assert blocks.read_bytes() == whole.read_bytes()
+    assert heldout_path(blocks).read_bytes() == heldout_path(whole).read_bytes()
+
+
 def test_duplicates_are_dropped_and_the_output_is_excluded_from_the_input(tmp_path):
     (tmp_path / "a.txt").write_text(" ".join(PARAGRAPHS), encoding="utf-8")
     (tmp_path / "copy.md").write_text(" ".join(PARAGRAPHS), encoding="utf-8")
@@ -346,7 +362,7 @@ def test_overlap_measure_can_fail():
 
 
 def test_heldout_documents_go_to_their_own_file_whole(tmp_path):
-    from dataset.ingest import heldout_path, is_heldout
+    from dataset.ingest import is_heldout
 
     out = tmp_path / "corpus.jsonl"
     report = ingest([DOCUMENTS], out, IngestOptions(heldout=0.2, max_chars=2000), progress=False)
