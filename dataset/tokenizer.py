@@ -17,6 +17,7 @@ ordinary text to the tokenizer.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -166,10 +167,10 @@ class Tokenizer:
             raise TokenizerError(f"{file}: a newline encodes to {len(newline)} tokens; byte-level BPE needs one")
         self.newline_id = newline[0]  # ends every chat turn
 
-    @property
+    @functools.cached_property
     def own_bytes_per_token(self) -> float | None:
         """UTF-8 bytes per token on the tokenizer's own held-out text (compression.json beside it, as
-        scripts/build_default_tokenizer.py writes it; None without one)."""
+        scripts/build_default_tokenizer.py writes it; None without one); read once."""
         try:
             kinds = json.loads((self.path / "compression.json").read_text(encoding="utf-8"))["heldout_compression"]
             return sum(k["bytes"] for k in kinds.values()) / sum(k["tokens"] for k in kinds.values())
