@@ -290,3 +290,23 @@ def test_readme_preset_table_is_current():
 
     from conftest import ROOT
     assert preset_table() in (ROOT / "docs/model.md").read_text(), "stale preset table in docs/model.md"
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_a_decoded_tokens_logits_match_the_full_forward_whatever_the_query_groups(kv_heads):
+    # Decoding one token folds each KV head's query heads into query rows (no copy of the cache): its logits
+    # must be those of attending with the expanded keys, as the full forward over the sequence does.
+    from model.model import KVCache
+
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config(num_key_value_heads=kv_heads)).eval()
+    ids = torch.randint(1, 256, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, :4] = 0  # a left-padded row
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = KVCache(model.config, 3, 10)
+    with torch.no_grad():
+        model(ids[:, :9], position_ids=positions[:, :9], attention_mask=mask[:, :9], kv_cache=cache)
+        step = model(ids[:, 9:], position_ids=positions[:, 9:], attention_mask=mask, kv_cache=cache)[:, -1]
+        full = model(ids, position_ids=positions, attention_mask=mask)[:, -1]
+    torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
