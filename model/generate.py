@@ -119,6 +119,7 @@ def done_check_interval(device: torch.device) -> int:
     return 1 if device.type == "cpu" else 16
 
 
+@torch.no_grad()  # never a graph: the KV cache, written in place, would hold one alive after the call
 def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
              eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
