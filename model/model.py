@@ -231,17 +231,15 @@ class Attention(nn.Module):
         if rep > 1 and T == 1 and mask is not None:
             # One decoded token: the rep query heads of a KV head become rep query rows against it, the same
             # dot products without copying the whole cache rep times at every token (which took a third of
-            # the time of a batched decode on a CPU).
-            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv_heads, rep, self.head_dim), k, v,
-                                               attn_mask=mask.expand(-1, -1, rep, -1),
-                                               dropout_p=self.dropout if self.training else 0.0)
-            return self.resid_dropout(self.o_proj(y.reshape(B, 1, -1)))
-        if rep > 1:
+            # the time of a batched decode on a CPU). Head j * rep + r is row r of KV head j, as expanded.
+            q, mask = q.reshape(B, self.n_kv_heads, rep, self.head_dim), mask.expand(-1, -1, rep, -1)
+        elif rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         # mask=None means "plain causal over this chunk": the fast is_causal path used in training.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
+        y = y.reshape(B, self.n_heads, T, self.head_dim)  # a folded decode's rows back to heads
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.o_proj(y))
 
