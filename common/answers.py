@@ -8,7 +8,9 @@ reinforcement learning. A gold answer is one of two kinds:
         compared as lm-evaluation-harness's gsm8k tasks do (its `regex` filters, then `exact_match` with
         REGEXES_TO_IGNORE and case ignored), so the two agree item by item (tests/test_tasks.py runs the harness).
     text (Natural Questions, SQuAD, ...): the whole output, normalised as SQuAD's scorer does (lower case, no
-        punctuation, no articles, single spaces), equals one of the gold answers normalised the same way.
+        punctuation, no articles, single spaces), equals one of the gold answers normalised the same way
+        (`judge`); a reply's answer (`answer_right`: tool use, rewards) may also be stated, "The answer is
+        2023-02-01."
 
 An item is of the number kind when every gold answer is a number once normalised.
 """
@@ -96,15 +98,21 @@ def judge(output: str, answers: Sequence[str]) -> Verdict:
 _STATED_TEXT = re.compile(r"(?:answer is|答案是)\s*(.+?)\s*[.。!！]?\s*$", re.IGNORECASE | re.DOTALL)
 
 
-def answer_right(output: str, answers: Sequence[str]) -> bool:
+def answer_right(output: str, answers: Sequence[str], stated_only: bool = False) -> bool:
     """Whether a reply reached a right answer. Numbers as `judge` reads them; a text answer (a date, a name)
     stated as "the answer is X" / "答案是 X" must be X, and without a statement must appear among the reply's
-    words (normalised as SQuAD's), since a reply built on a tool's result is a sentence ending with the answer."""
+    words (normalised as SQuAD's), since a reply built on a tool's result is a sentence ending with the answer.
+
+    stated_only (a reward's judge, trainer_utils/rewards.py): an unstated text answer counts only as the whole
+    reply, never as one of its words, since a policy paid for a gold answer anywhere in its words learns to
+    list candidates."""
     if is_number_answer(answers):
         return judge(output, answers).correct
     golds = {normalize_text(a) for a in answers}
     stated = _STATED_TEXT.search(output)
     if stated:
         return normalize_text(stated.group(1)) in golds
+    if stated_only:
+        return normalize_text(output) in golds
     words = f" {normalize_text(output)} "
     return any(gold and f" {gold} " in words for gold in golds)

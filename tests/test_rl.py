@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.answers import answer_right
 from common.errors import ConfigError
 from common.tokens import IGNORE_INDEX
 from trainer_utils.objectives import PolicyGradient, token_log_probs
@@ -176,6 +177,21 @@ def test_built_in_rewards_check_the_answer_the_format_and_the_length():
     hedged = [completion("The answer is 12. The answer is 4."), completion("答案是 12。 The answer is 12.")]
     _, parts = score(terms, hedged)
     assert parts["exact"].tolist() == [0, 1] and parts["format"].tolist() == [0, 0]
+
+
+def test_the_exact_reward_judges_a_stated_date_or_name_as_the_evaluation_does():
+    """A tool rollout's final reply ends "The answer is 2023-02-01." (add_days) or "The answer is W." (an element's
+    symbol): the evaluation counts them right (common/answers.answer_right), so the reward must too, or a whole
+    kind of question pays nothing however it is answered. Listing candidates, which the evaluation's unstated
+    fallback would accept, does not pay."""
+    exact = parse_reward("exact")
+    replies = [("269 days after 2022-05-08 is 2023-02-01. The answer is 2023-02-01.", "2023-02-01"),
+               ("The chemical symbol for tungsten is W. The answer is W.", "W"), ("答案是 硫。", "硫"),
+               ("2023-02-01", "2023-02-01"), ("The answer is 2023-02-02.", "2023-02-01"),
+               ("It is 2023-01-31 or 2023-02-01 or 2023-02-02", "2023-02-01")]
+    total, _ = score(exact, [completion(text, answer=answer) for text, answer in replies])
+    assert total.tolist() == [1, 1, 1, 1, 0, 0]
+    assert [answer_right(text, [answer]) for text, answer in replies] == [True, True, True, True, False, True]
 
 
 def test_tool_call_reward_checks_the_first_call_against_the_records():

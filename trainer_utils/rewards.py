@@ -4,8 +4,9 @@ from them (GRPO: each prompt's completions compared with each other).
 A reward spec is a comma-separated list of terms, each optionally weighted: "exact", "exact=1,format=0.2",
 "exact,length=0.5", "my_rewards.py:score=0.5". The built-in terms (each in [0, 1] or [-1, 0]):
 
-    exact    1 when the completion's answer is the record's "answer" (common/answers.py: a number after "the
-             answer is" or the last number, or the whole text normalised), else 0: the verifiable reward. A
+    exact    1 when the completion's answer is the record's "answer" (common/answers.py answer_right: a number
+             after "the answer is" or the last number; a text answer, a date or a name, stated so or the whole
+             text, normalised), else 0: the verifiable reward, the evaluation's judge of tool items. A
              completion that states several different numbers ("The answer is 3. The answer is 4.") gets 0:
              otherwise listing guesses pays, and a policy learns to
     format   1 when the completion states one answer in the taught format ("... The answer is 12."), else 0
@@ -38,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from common.answers import judge, stated_numbers
+from common.answers import answer_right, stated_numbers
 from common.errors import ConfigError, TrainingError
 from common.files import require_package
 from common.tool_calls import parse_reply, same_call
@@ -91,7 +92,7 @@ def exact(c: Completion) -> float:
     answers = [answers] if isinstance(answers, str) else answers
     if not answers or len(set(stated_numbers(c.text))) > 1:
         return 0.0
-    return float(judge(c.text, answers).correct)
+    return float(answer_right(c.text, answers, stated_only=True))
 
 
 def stated(c: Completion) -> float:
