@@ -161,6 +161,13 @@ class KVCache:
             return torch.get_autocast_dtype(device.type)
         return next(model.parameters()).dtype
 
+    def take_rows(self, other: KVCache, rows: torch.Tensor) -> None:
+        """Fill this cache from another's rows (row b <- other's row rows[b]): what it holds, and its length."""
+        n = other.length
+        self.k[:, :, :, :n] = other.k[:, rows, :, :n]
+        self.v[:, :, :, :n] = other.v[:, rows, :, :n]
+        self.length = n
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's (B, KV, T, D) keys/values for `layer`; return everything cached so far."""
         start, end = self.length, self.length + k.shape[2]

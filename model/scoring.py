@@ -172,6 +172,20 @@ def score_groups(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[
     return out
 
 
+def shared_context_mask(segment: torch.Tensor) -> torch.Tensor:
+    """The (B, 1, L, L) attention mask (True: may attend) of rows that each hold a shared context and
+    continuations of it: `segment` (B, L) is 0 on the context, j >= 1 on continuation j, -1 on padding. The
+    context is causal; a continuation sees the context and its own earlier tokens, never another continuation;
+    a pad sees only itself (a query that sees nothing would make SDPA return NaN)."""
+    L = segment.shape[1]
+    order = torch.arange(L, device=segment.device)
+    seen = segment[:, None, :]  # the key's segment, for each query row
+    mask = (order[None, None, :] <= order[None, :, None]) & (seen >= 0) & \
+        ((seen == 0) | (seen == segment[:, :, None]))
+    mask |= torch.eye(L, dtype=torch.bool, device=segment.device)[None]
+    return mask[:, None]
+
+
 def _score_rows(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[list[int]]]], autocast: Autocast,
                 pad_id: int) -> list[list[ContinuationScore]]:
     """One batch of score_groups: a row per group, one forward."""
@@ -196,13 +210,9 @@ def _score_rows(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[l
             picks += [r * L + n - 1, *range(r * L + at, r * L + at + m)]
             targets += c
             at += m
-    order = torch.arange(L)
-    seen = segment[:, None, :]  # the key's segment, for each query row
-    mask = (order[None, None, :] <= order[None, :, None]) & (seen >= 0) & \
-        ((seen == 0) | (seen == segment[:, :, None]))
-    mask |= torch.eye(L, dtype=torch.bool)[None]  # a pad sees itself (no query may see nothing: NaN)
     with autocast():
-        logits = model(x.to(device), position_ids=positions.to(device), attention_mask=mask[:, None].to(device),
+        logits = model(x.to(device), position_ids=positions.to(device),
+                       attention_mask=shared_context_mask(segment).to(device),
                        logits_at=wanted.to(device))  # (wanted positions, vocab), row-major
     index = wanted.flatten().cumsum(0) - 1  # a wanted position's row in `logits`
     rows = index[torch.tensor(picks)].to(device)

@@ -84,18 +84,14 @@ def test_the_training_row_is_the_templates_conversation_and_only_replies_are_tar
     # the whole row, token for token, is what the chat template writes for the finished conversation
     conversation = prompt_messages() + list(use.turns)
     expected = tokenizer.encode_chat(conversation)[0][:-1]  # up to the last reply's <|im_end|>
-    row = out.rows
-    n = len(expected) - 1
-    sequence = torch.cat([row.inputs[0, :n], row.targets[0, n - 1:n]]).tolist()
-    assert sequence == expected
+    inputs, targets, old = out.rows.unpacked(0)
+    assert inputs + targets[-1:] == expected
     # the targets are the replies' tokens (their <|im_end|> included), nothing of the prompt or the tool's turn
     labelled = tokenizer.encode_chat(conversation)[1][1:len(expected)]
-    targets = row.targets[0, :n]
-    assert [t != IGNORE_INDEX for t in targets.tolist()] == labelled
+    assert [t != IGNORE_INDEX for t in targets] == labelled
     assert out.policy_tokens == [sum(labelled)]
-    old = row.old_log_probs[0, :n]
-    assert (old[targets != IGNORE_INDEX] == -0.5).all() and (old[targets == IGNORE_INDEX] == 0).all()
-    assert (row.targets[0, n:] == IGNORE_INDEX).all()  # the padding
+    assert all(o == (-0.5 if t != IGNORE_INDEX else 0) for o, t in zip(old, targets))
+    assert int((out.rows.targets != IGNORE_INDEX).sum()) == sum(labelled)  # nothing in the padding
 
 
 def test_tool_results_ids_are_what_the_template_writes_after_a_turn(tokenizer):
@@ -177,8 +173,9 @@ def test_real_sampling_of_a_row_does_not_depend_on_its_batch_mates(tokenizer):
     both = sample_tool_rollouts(model, prompts, 2, 12, 2, 1024, tokenizer, [CALC, CALC], row_keys=keys)
     alone = sample_tool_rollouts(model, prompts[1:], 2, 12, 2, 1024, tokenizer, [CALC], row_keys=keys[2:])
     assert both.rows.completions[2:] == alone.rows.completions
-    w = alone.rows.old_log_probs.shape[1]
-    torch.testing.assert_close(both.rows.old_log_probs[2:, :w], alone.rows.old_log_probs, atol=1e-6, rtol=0)
+    for i in range(2):
+        torch.testing.assert_close(torch.tensor(both.rows.unpacked(2 + i)[2]), torch.tensor(alone.rows.unpacked(i)[2]),
+                                   atol=1e-6, rtol=0)
     assert both.rows.completions[0] != both.rows.completions[1]  # each member of a group draws its own
 
 

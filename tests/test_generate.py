@@ -41,6 +41,32 @@ def test_left_padded_batch_matches_each_prompt_alone(style):
         assert got == generate(model, [prompt], max_new_tokens=12, temperature=0)[0]
 
 
+def test_rows_with_the_same_prompt_share_one_prefill_and_decode_as_alone(monkeypatch):
+    """A GRPO group's copies of a prompt are run through the model once and their cache copied: each row still
+    samples, with its own numbers, what it samples alone. A prompt whose first real token is the pad id is not
+    the same prompt as the one without it (the padding mask is part of what is compared)."""
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config()).eval()
+    a, b = torch.randint(1, 256, (9,)).tolist(), torch.randint(1, 256, (4,)).tolist()
+    prompts = [a, b, a, a, [0, *b], b]
+    uniforms = torch.rand(len(prompts), 10)
+    prefilled = []
+    forward = PocketLM.forward
+    def counting(self, ids, *args, **kwargs):
+        if ids.shape[1] > 1:
+            prefilled.append(ids.shape[0])
+        return forward(self, ids, *args, **kwargs)
+    monkeypatch.setattr(PocketLM, "forward", counting)
+    log_probs: list[list[float]] = []
+    together = generate(model, prompts, 10, temperature=1.0, uniforms=uniforms, log_probs=log_probs)
+    assert prefilled == [3]  # a, b and [0, *b]: three prompts computed
+    for i, prompt in enumerate(prompts):
+        alone: list[list[float]] = []
+        assert together[i] == generate(model, [prompt], 10, temperature=1.0, uniforms=uniforms[i:i + 1],
+                                       log_probs=alone)[0]
+        assert log_probs[i] == pytest.approx(alone[0], abs=1e-5)
+
+
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_cached_and_uncached_generation_agree(style):
     model = PocketLM(tiny_config(style)).eval()

@@ -29,7 +29,8 @@ class Logits(torch.nn.Module):
         torch.manual_seed(0)
         self.logits = torch.nn.Parameter(torch.randn(B, T, V))
 
-    def forward(self, x: torch.Tensor, return_router: bool = False, logits_at: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, position_ids=None, attention_mask=None, return_router: bool = False,
+                logits_at: torch.Tensor | None = None):
         logits = self.logits if logits_at is None else self.logits[logits_at]
         return (logits, None) if return_router else logits
 
@@ -42,7 +43,8 @@ def batch(policy: Logits, old_shift: torch.Tensor | float = 0.0, advantages=(1.0
     y[0, 2:5], y[1, 2:4] = torch.tensor([1, 2, 3]), torch.tensor([4, 5])
     with torch.no_grad():
         old = token_log_probs(policy.logits, y) - old_shift
-    parts = [x, y, old, torch.tensor(advantages)]
+    per_token = torch.tensor(advantages)[:, None].expand(B, T).clone()  # each row one completion
+    parts = [x, y, old, per_token, None, None]
     return (*parts, reference) if reference is not None else tuple(parts)
 
 
@@ -63,10 +65,10 @@ def test_at_the_first_step_the_ratio_is_one_and_the_gradient_is_reinforce(loss_t
     mask = (b[1] != IGNORE_INDEX).float()
     assert PolicyGradient(loss_type).count(b) == 5
     if loss_type == "grpo":
-        assert out.loss.item() == pytest.approx(-(b[3][:, None] * mask).sum().item())
+        assert out.loss.item() == pytest.approx(-(b[3] * mask).sum().item())
     assert out.metrics["ratio"].item() == pytest.approx(5.0) and out.metrics["clip_frac"].item() == 0
     policy.zero_grad()
-    (-(b[3][:, None] * token_log_probs(policy.logits, b[1])) * mask).sum().backward()
+    (-(b[3] * token_log_probs(policy.logits, b[1])) * mask).sum().backward()
     torch.testing.assert_close(grad, policy.logits.grad)
 
 
@@ -116,7 +118,7 @@ def test_cispo_clips_the_weight_and_keeps_every_gradient():
     mask = (b[1] != IGNORE_INDEX).float()
     assert out.metrics["clip_frac"].item() == 5
     policy.zero_grad()
-    (-(1.2 * b[3][:, None] * token_log_probs(policy.logits, b[1])) * mask).sum().backward()
+    (-(1.2 * b[3] * token_log_probs(policy.logits, b[1])) * mask).sum().backward()
     torch.testing.assert_close(grad, policy.logits.grad)
     assert grad[0].abs().sum() > 0 and grad[1].abs().sum() > 0
 
@@ -305,21 +307,57 @@ def test_rollouts_lay_out_groups_of_completions_for_the_policy_loss(policy, toke
     out = sample_rollouts(policy, prompts, group=3, max_new_tokens=12, stop_ids=stop, pad_id=tokenizer.pad_id,
                           generator=torch.Generator().manual_seed(1))
     assert out.prompt_rows == [0, 0, 0, 1, 1, 1] and len(out.completions) == 6
+    assert out.inputs.shape[0] == 2  # a row per prompt: its group packed after it
     assert not out.truncated[0] and len(out.completions[0]) <= 5 and any(out.truncated)
     for r, (row, completion) in enumerate(zip(out.prompt_rows, out.completions)):
         assert completion and (out.truncated[r] == (completion[-1] not in stop))
         assert len(completion) == 12 or not out.truncated[r]
         assert all(t not in stop for t in completion[:-1])  # it ended at its first stop token
         sequence = prompts[row] + completion
-        wanted = out.targets[r] != IGNORE_INDEX
-        assert out.targets[r][wanted].tolist() == completion
-        assert out.inputs[r, :len(sequence) - 1].tolist() == sequence[:-1]
+        inputs, targets, old = out.unpacked(r)
+        wanted = torch.tensor(targets) != IGNORE_INDEX
+        assert torch.tensor(targets)[wanted].tolist() == completion
+        assert inputs == sequence[:-1]
         with torch.no_grad():
             logits = policy(torch.tensor([sequence[:-1]]))[0]
         alone = torch.log_softmax(logits.double(), -1)[torch.arange(len(prompts[row]) - 1, len(sequence) - 1),
                                                         torch.tensor(completion)]
-        assert out.old_log_probs[r][wanted].tolist() == pytest.approx(alone.tolist(), abs=1e-4)
-        assert (out.old_log_probs[r][~wanted] == 0).all()
+        assert torch.tensor(old)[wanted].tolist() == pytest.approx(alone.tolist(), abs=1e-4)
+        assert (torch.tensor(old)[~wanted] == 0).all()
+
+
+@pytest.mark.parametrize("pack_tokens", [2048, 40])
+def test_packed_rows_give_the_loss_and_gradient_of_a_row_per_completion(policy, tokenizer, monkeypatch,
+                                                                         pack_tokens):
+    """A group's prompt computed once, its completions after it under the shared-context mask, at their own
+    positions: the policy loss and its gradient are those of one right-padded row per completion. With a small
+    PACK_TOKENS a group spreads over rows, each holding the prompt again: the same again."""
+    from trainer_utils import rollouts
+    monkeypatch.setattr(rollouts, "PACK_TOKENS", pack_tokens)
+    prompts = [tokenizer.chat_prompt([{"role": "user", "content": q}]) for q in ("What is 7 + 5?", "Count to 3.")]
+    out = rollouts.sample_rollouts(policy, prompts, 3, 10, tokenizer.stop_ids(chat=True), tokenizer.pad_id,
+                                   row_keys=[(1, i, g) for i in range(2) for g in range(3)])
+    assert out.inputs.shape[0] == 2 if pack_tokens == 2048 else out.inputs.shape[0] > 2
+    advantages = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0, 0.5])
+    packed = (out.inputs, out.targets, out.old_log_probs, out.per_token(advantages), out.positions, out.attention)
+    rows = [out.unpacked(i) for i in range(6)]
+    width = max(len(inputs) for inputs, _, _ in rows)
+    single = [torch.full((6, width), tokenizer.pad_id), torch.full((6, width), IGNORE_INDEX), torch.zeros(6, width)]
+    for i, row in enumerate(rows):
+        for tensor, values in zip(single, row):
+            tensor[i, :len(values)] = torch.tensor(values)
+    single = (*single, advantages[:, None].expand(6, width), None, None)
+    objective = PolicyGradient("grpo")
+    losses, grads = [], []
+    for b in (packed, single):
+        policy.zero_grad()
+        result = objective(policy, b, contextlib.nullcontext)
+        result.loss.backward()
+        losses.append(result.loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+        assert objective.count(b) == sum(len(c) for c in out.completions)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-5  # fp32 rounding, summed in other orders
 
 
 def test_greedy_rollouts_repeat_one_completion_and_sampling_follows_the_seed(policy, tokenizer):
@@ -346,10 +384,10 @@ def test_keyed_rows_sample_the_same_completion_in_any_batch(policy, tokenizer):
     alone = sample_rollouts(policy, prompts[1:], 3, 12, stop, tokenizer.pad_id, row_keys=keys[3:])
     assert both.completions[3:] == alone.completions
     assert len({tuple(c) for c in alone.completions}) > 1  # the group's members differ
-    wanted = both.targets[3:] != IGNORE_INDEX
     # other batch shapes round fp32 differently, by a CPU-dependent few parts per million (1.4e-6 seen on AVX2)
-    torch.testing.assert_close(both.old_log_probs[3:][wanted], alone.old_log_probs[alone.targets != IGNORE_INDEX],
-                               atol=1e-5, rtol=1e-5)
+    for i in range(3):
+        torch.testing.assert_close(torch.tensor(both.unpacked(3 + i)[2]), torch.tensor(alone.unpacked(i)[2]),
+                                   atol=1e-5, rtol=1e-5)
     other = sample_rollouts(policy, prompts[1:], 3, 12, stop, tokenizer.pad_id, row_keys=[(8, 0, 1, g) for g in
                                                                                            range(3)])
     assert other.completions != alone.completions

@@ -196,13 +196,16 @@ def padded_selection(valid: torch.Tensor, step: int) -> torch.Tensor:
     return (flat | (free & (free.cumsum(0) <= extra))).view_as(valid)
 
 
-def completion_logits(model: torch.nn.Module, x: torch.Tensor, valid: torch.Tensor, autocast: Autocast
+def completion_logits(model: torch.nn.Module, x: torch.Tensor, valid: torch.Tensor, autocast: Autocast,
+                      positions: torch.Tensor | None = None, attention: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, RouterStats | None]:
     """The logits where `valid` (n, vocab, row-major) and the routers' statistics: the vocabulary projection
-    runs at those positions only, padded to a multiple of VOCAB_ROWS_STEP rows."""
+    runs at those positions only, padded to a multiple of VOCAB_ROWS_STEP rows. positions and a 4-D attention
+    mask: rows packed as trainer_utils/rollouts.py packs them (plain causal rows without)."""
     projected = padded_selection(valid, VOCAB_ROWS_STEP)
     with autocast():
-        logits, router = model(x, return_router=True, logits_at=projected)
+        logits, router = model(x, position_ids=positions, attention_mask=attention, return_router=True,
+                               logits_at=projected)
     return logits[valid[projected]], router
 
 
@@ -218,10 +221,12 @@ class PolicyGradient(Objective):
 
     GRPO's clip drops the gradient of a token whose ratio left the trust region in the advantage's direction;
     CISPO clips only the weight, so every token keeps a gradient. A batch is (inputs, targets, old log-probs,
-    advantages[, reference log-probs]): targets are IGNORE_INDEX except at the completion's tokens, the log-probs
-    per target position (B, T), one advantage per row (B,). The policy is softmax(logits / temperature), the
-    distribution the completions were sampled from. Logged per token: the clipped share, the ratio, the KL (with
-    a reference) and the policy's entropy.
+    advantages, positions, attention[, reference log-probs]), rows packed as trainer_utils/rollouts.py packs
+    them (a group's prompt, then its completions; positions and the 4-D attention mask say which is which):
+    targets are IGNORE_INDEX except at the completions' tokens, the log-probs and each token's advantage (its
+    completion's) per target position (B, T). The policy is softmax(logits / temperature), the distribution the
+    completions were sampled from. Logged per token: the clipped share, the ratio, the KL (with a reference) and
+    the policy's entropy.
     """
 
     def __init__(self, loss_type: str = "grpo", epsilon: float = 0.2, epsilon_high: float = 0.2,
@@ -237,10 +242,9 @@ class PolicyGradient(Objective):
     def __call__(self, forward: torch.nn.Module, batch: Batch, autocast: Autocast) -> StepOutput:
         x, y = batch[0], batch[1]
         valid = y != IGNORE_INDEX
-        logits, router = completion_logits(forward, x, valid, autocast)
+        logits, router = completion_logits(forward, x, valid, autocast, batch[4], batch[5])
         # every per-token quantity below is over the (n,) completion tokens, in row-major order
-        targets, old = y[valid], batch[2].float()[valid]
-        advantage = batch[3].float()[:, None].expand_as(y)[valid]
+        targets, old, advantage = y[valid], batch[2].float()[valid], batch[3].float()[valid]
         # one log-softmax serves the targets' log-probs and the logged entropy
         logprobs = F.log_softmax(logits.float() / self.temperature, dim=-1)
         logp = logprobs.gather(-1, targets[:, None])[:, 0]
@@ -255,7 +259,7 @@ class PolicyGradient(Objective):
             was_clipped = ratio > high
         metrics = {"clip_frac": was_clipped.float().sum(), "ratio": ratio.sum()}
         if self.beta > 0:
-            r = batch[4].float()[valid] - logp
+            r = batch[6].float()[valid] - logp
             kl = torch.exp(r) - r - 1
             per_token = per_token + self.beta * kl
             metrics["kl"] = kl.sum()

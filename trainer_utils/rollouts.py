@@ -3,12 +3,14 @@ batched, KV-cached generation (model/generate.py), and lay them out for the poli
 
 Each prompt is repeated `group` times (its group: consecutive rows, as trainer_utils/rewards.py's advantages
 expect). A completion ends at a stop token, which it keeps (the policy learns to stop), or at the budget
-(`truncated`). The training rows are prompt + completion, right-padded: inputs all but the last token, targets
-the completion's tokens only (IGNORE_INDEX over the prompt and the padding), and the sampling policy's
-log-probability of each target (for the importance ratio), as the sampler computed it while drawing: no second
-forward, and the ratio then measures what differs between the sampler's arithmetic and the trained forward's
-(a KV-cached decode against a full forward, in the training precision). The rows are padded to a multiple of
-SHAPE_STEP tokens (objectives.py says why).
+(`truncated`). The training rows hold a group's prompt once and then its completions (pack_rollouts), each
+completion seeing the prompt and itself under an attention mask, at its own positions: what a row of prompt +
+completion per rollout computes, without computing the prompt once per rollout. Targets are the completions'
+tokens only (IGNORE_INDEX over the prompt and the padding), with the sampling policy's log-probability of each
+(for the importance ratio), as the sampler computed it while drawing: no second forward, and the ratio then
+measures what differs between the sampler's arithmetic and the trained forward's (a KV-cached decode against a
+full forward, in the training precision). The rows are padded to a multiple of SHAPE_STEP tokens (objectives.py
+says why).
 
 Rows may be given keys: row r's random numbers are then seeded by its key alone, so its completion depends on
 (key, weights, prompt), never on the batch it was decoded in or on a global generator's state. The GRPO stage
@@ -29,6 +31,7 @@ from common.tokens import IGNORE_INDEX
 from common.tool_calls import parse_reply
 from common.tools import Tool, run_tool
 from model.generate import generate
+from model.scoring import shared_context_mask
 from model.tool_use import assistant_message
 
 from .objectives import SHAPE_STEP, Autocast
@@ -58,14 +61,36 @@ def keyed_uniforms(keys: Sequence[Sequence[int]], count: int, device: torch.devi
 
 @dataclass
 class Rollouts:
-    """A step's sampled completions (rows = prompts x group) and their training rows."""
+    """A step's sampled completions (prompts x group of them, prompt-major) and their training rows, packed: a
+    row holds a prompt once and then its completions (module docstring)."""
 
-    inputs: torch.Tensor  # (N, L) prompt + completion but the last token, right-padded
-    targets: torch.Tensor  # (N, L) the completion's tokens where they are predicted, else IGNORE_INDEX
-    old_log_probs: torch.Tensor  # (N, L) the sampler's log-probability of each target (0 elsewhere)
-    completions: list[list[int]]  # each row's completion ids, its stop token included
+    inputs: torch.Tensor  # (R, L) packed rows: the prompt but its last token, then each completion's inputs
+    positions: torch.Tensor  # (R, L) each input's position in its own conversation
+    segment: torch.Tensor  # (R, L) 0 the prompt, j >= 1 the row's j-th completion, -1 padding
+    targets: torch.Tensor  # (R, L) the next token where the policy sampled it, else IGNORE_INDEX
+    old_log_probs: torch.Tensor  # (R, L) the sampler's log-probability of each target (0 elsewhere)
+    members: torch.Tensor  # (R, L) the completion (its index below) each segment's input belongs to, else -1
+    completions: list[list[int]]  # each completion's ids after its prompt, its stop token included
     truncated: list[bool]  # the budget ended it, not a stop token
-    prompt_rows: list[int]  # the prompt each row continues (its index in the prompts given)
+    prompt_rows: list[int]  # the prompt each completion continues (its index in the prompts given)
+
+    @property
+    def attention(self) -> torch.Tensor:
+        """The rows' (R, 1, L, L) attention mask: a completion sees its prompt and itself, never another."""
+        return shared_context_mask(self.segment)
+
+    def per_token(self, values: torch.Tensor) -> torch.Tensor:
+        """One value per completion (an advantage), laid out as the rows: (R, L), 0 outside the completions."""
+        spread = values.to(self.members.device)[self.members.clamp(min=0)]
+        return torch.where(self.members >= 0, spread, torch.zeros((), dtype=spread.dtype, device=spread.device))
+
+    def unpacked(self, i: int) -> tuple[list[int], list[int], list[float]]:
+        """Completion i as a row of its own would hold it: (inputs, targets, old log-probabilities), its prompt
+        and everything it continued with but the last token."""
+        r = int((self.members == i).any(dim=1).nonzero()[0])
+        prompt, own = self.segment[r] == 0, self.members[r] == i
+        pick = lambda t: t[r][prompt].tolist() + t[r][own].tolist()  # noqa: E731
+        return pick(self.inputs), pick(self.targets), pick(self.old_log_probs)
 
 
 @torch.no_grad()
@@ -92,37 +117,72 @@ def sample_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]], gr
                                top_k=top_k, top_p=top_p, pad_token_id=pad_id, stop=ends, generator=generator,
                                uniforms=uniforms, log_probs=sampled_log_probs)
     truncated = [not c or c[-1] not in stop_ids for c in completions]
-    inputs, targets, old = training_rows([Row([*prompts[i], *c], [False] * len(prompts[i]) + [True] * len(c),
-                                              [0.0] * len(prompts[i]) + lp)
-                                          for i, c, lp in zip(rows, completions, sampled_log_probs)], pad_id, device)
-    return Rollouts(inputs, targets, old, completions, truncated, rows)
+    return pack_rollouts(prompts, rows, [Row(list(c), [True] * len(c), lp)
+                                         for c, lp in zip(completions, sampled_log_probs)],
+                         truncated, pad_id, device)
 
 
 @dataclass
 class Row:
-    """One rollout as a token sequence: which tokens the policy sampled (the targets) and their log-probabilities
-    under the sampler (0 elsewhere: the prompt, a tool's result and the template's markers around it)."""
+    """What one rollout added after its prompt, token by token: which tokens the policy sampled (the targets)
+    and their log-probabilities under the sampler (0 elsewhere: a tool's result and the template's markers
+    around it)."""
 
     ids: list[int]
     policy: list[bool]
     log_probs: list[float]
 
 
-def training_rows(rows: Sequence[Row], pad_id: int, device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(inputs, targets, the sampler's log-probabilities) of rows, right-padded to a multiple of SHAPE_STEP: inputs
-    all but a row's last token; targets its next tokens where the policy sampled them, IGNORE_INDEX elsewhere."""
-    width = max(len(row.ids) for row in rows) - 1
+# A packed row's attention is dense over its length (a mask, not the causal kernel): a group whose prompt and
+# completions would pass this many tokens is split over rows, each holding the prompt again.
+PACK_TOKENS = 2048
+
+
+def pack_rollouts(prompts: Sequence[Sequence[int]], owner: Sequence[int], rows: Sequence[Row],
+                  truncated: list[bool], pad_id: int, device: torch.device) -> Rollouts:
+    """The training rows of rollouts (row i continues prompts[owner[i]]; a group's rollouts are consecutive),
+    packed: a row holds a prompt's tokens but its last once, then, for each of its rollouts, that last token
+    and everything the rollout added but its last token, so every rollout predicts its tokens from its own copy
+    of the prompt's last position. Positions go on from the prompt in each rollout; a rollout sees the prompt and
+    itself (Rollouts.attention). A group's prompt is computed once in training instead of once per rollout: with
+    the tool prompts' 350 tokens of tool schemas and 8 rollouts of ~120 tokens, a third of the tokens. Rows are
+    right-padded to a multiple of SHAPE_STEP (objectives.py says why)."""
+    packs: list[tuple[int, list[int]]] = []  # (prompt, the rollouts in the row)
+    for i, p in enumerate(owner):
+        if packs and packs[-1][0] == p and packed_length(prompts, rows, p, [*packs[-1][1], i]) <= PACK_TOKENS:
+            packs[-1][1].append(i)
+        else:
+            packs.append((p, [i]))
+    width = max(packed_length(prompts, rows, p, members) for p, members in packs)
     width = -(-width // SHAPE_STEP) * SHAPE_STEP
-    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    old = torch.zeros((len(rows), width), dtype=torch.float32)
-    for r, row in enumerate(rows):
-        sequence, n = torch.tensor(row.ids, dtype=torch.long), len(row.ids) - 1
-        inputs[r, :n] = sequence[:-1]
-        targets[r, :n] = torch.where(torch.tensor(row.policy[1:]), sequence[1:], IGNORE_INDEX)
-        old[r, :n] = torch.tensor(row.log_probs[1:], dtype=torch.float32)
-    return inputs.to(device), targets.to(device), old.to(device)
+    shape = (len(packs), width)
+    inputs, positions = torch.full(shape, pad_id, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    segment, members = torch.full(shape, -1, dtype=torch.long), torch.full(shape, -1, dtype=torch.long)
+    targets, old = torch.full(shape, IGNORE_INDEX, dtype=torch.long), torch.zeros(shape, dtype=torch.float32)
+    for r, (p, rollouts) in enumerate(packs):
+        prompt = list(prompts[p])
+        n = len(prompt) - 1
+        inputs[r, :n], positions[r, :n], segment[r, :n] = torch.tensor(prompt[:-1], dtype=torch.long), \
+            torch.arange(n), 0
+        at = n
+        for j, i in enumerate(rollouts, start=1):
+            row, m = rows[i], len(rows[i].ids)
+            if not m:
+                continue
+            span = slice(at, at + m)
+            inputs[r, span] = torch.tensor([prompt[-1], *row.ids[:-1]], dtype=torch.long)
+            positions[r, span], segment[r, span], members[r, span] = torch.arange(n, n + m), j, i
+            targets[r, span] = torch.where(torch.tensor(row.policy), torch.tensor(row.ids), IGNORE_INDEX)
+            old[r, span] = torch.tensor(row.log_probs, dtype=torch.float32)
+            at += m
+    completions = [row.ids for row in rows]
+    return Rollouts(inputs.to(device), positions.to(device), segment.to(device), targets.to(device),
+                    old.to(device), members.to(device), completions, truncated, list(owner))
+
+
+def packed_length(prompts: Sequence[Sequence[int]], rows: Sequence[Row], prompt: int, members: list[int]) -> int:
+    """Tokens of a packed row: the prompt but its last token, then each rollout's own length."""
+    return len(prompts[prompt]) - 1 + sum(len(rows[i].ids) for i in members)
 
 
 @dataclass
@@ -155,14 +215,14 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     owner = [i for i in range(len(prompts)) for _ in range(group)]
     if row_keys is not None and len(row_keys) != len(owner):
         raise ValueError(f"{len(row_keys)} row keys for {len(owner)} rows")
-    rows = [Row(list(prompts[i]), [False] * len(prompts[i]), [0.0] * len(prompts[i])) for i in owner]
+    rows = [Row([], [], []) for _ in owner]  # what each rollout adds after its prompt
     uses, finals = [ToolUse() for _ in owner], [""] * len(owner)
     stop_ids = codec.stop_ids(True)
     stops = torch.tensor(stop_ids, device=device)
     active = list(range(len(owner)))
     for round_ in range(max_rounds + 1):
         for r in active:
-            uses[r].overflow = len(rows[r].ids) + max_new_tokens > max_len
+            uses[r].overflow = len(prompts[owner[r]]) + len(rows[r].ids) + max_new_tokens > max_len
         active = [r for r in active if not uses[r].overflow]
         if not active:
             break
@@ -170,9 +230,9 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
                     if row_keys is not None else None)
         log_probs: list[list[float]] = []
         with autocast():
-            replies = generate(model, [rows[r].ids for r in active], max_new_tokens, temperature=temperature,
-                               pad_token_id=codec.pad_id, stop=lambda t, a: torch.isin(t, stops) & a,
-                               uniforms=uniforms, log_probs=log_probs)
+            replies = generate(model, [[*prompts[owner[r]], *rows[r].ids] for r in active], max_new_tokens,
+                               temperature=temperature, pad_token_id=codec.pad_id,
+                               stop=lambda t, a: torch.isin(t, stops) & a, uniforms=uniforms, log_probs=log_probs)
         going = []
         for r, new, lp in zip(active, replies, log_probs):
             row, use = rows[r], uses[r]
@@ -200,8 +260,5 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
             row.log_probs += [0.0] * len(observed)
             going.append(r)
         active = going
-    inputs, targets, old = training_rows(rows, codec.pad_id, device)
-    completions = [row.ids[len(prompts[i]):] for row, i in zip(rows, owner)]
-    policy_tokens = [sum(row.policy) for row in rows]
-    return ToolRollouts(Rollouts(inputs, targets, old, completions, [u.cut for u in uses], owner), uses, finals,
-                        policy_tokens)
+    packed = pack_rollouts(prompts, owner, rows, [u.cut for u in uses], codec.pad_id, device)
+    return ToolRollouts(packed, uses, finals, [sum(row.policy) for row in rows])

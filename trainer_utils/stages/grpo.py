@@ -156,13 +156,13 @@ class RolloutSampler:
             r, completions = sampled.rows, sampled.completions
             total, parts = score(self.terms, completions)
             advantages = group_advantages(total, self.group, self.scale_rewards)
-            batch = (r.inputs, r.targets, r.old_log_probs, advantages.to(device))
+            batch = (r.inputs, r.targets, r.old_log_probs, r.per_token(advantages), r.positions, r.attention)
             if self.reference is not None:
-                batch = (*batch, self.reference_log_probs(r.targets, r.inputs, ctx.precision.autocast))
+                batch = (*batch, self.reference_log_probs(batch, ctx.precision.autocast))
             micro.append(batch)
             policy_tokens = sum(c.tokens for c in completions)
-            # every row's input: its prompt, then all it continued with (a tool's results too)
-            input_tokens += sum(len(p) for p in prompts) * self.group + sum(len(c) for c in r.completions)
+            # the packed rows' inputs: each prompt once, then all its completions continued with (tools' results too)
+            input_tokens += int((r.segment >= 0).sum())
             groups = total.view(-1, self.group)
             # sums; the log divides each by its metric_unit: rollout_tokens_per_s is the tokens sampled, over the
             # seconds this hook took (sampling, scoring and the reference's pass)
@@ -189,10 +189,12 @@ class RolloutSampler:
                                   records[indices[row]]) for row, c in zip(r.prompt_rows, r.completions)]
         return Sampled(r, completions)
 
-    def reference_log_probs(self, targets: torch.Tensor, inputs: torch.Tensor, autocast: Autocast) -> torch.Tensor:
-        """The frozen reference's log-probability of each target at the sampling temperature (0 elsewhere)."""
+    def reference_log_probs(self, batch: tuple[torch.Tensor, ...], autocast: Autocast) -> torch.Tensor:
+        """The frozen reference's log-probability of each target of a policy batch at the sampling temperature (0
+        elsewhere)."""
+        inputs, targets = batch[0], batch[1]
         valid = targets != IGNORE_INDEX
-        logits, _ = completion_logits(self.reference, inputs, valid, autocast)
+        logits, _ = completion_logits(self.reference, inputs, valid, autocast, batch[4], batch[5])
         out = torch.zeros(targets.shape, device=targets.device)
         out[valid] = torch.log_softmax(logits.float() / self.temperature, -1).gather(-1, targets[valid][:, None])[:, 0]
         return out
