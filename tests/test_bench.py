@@ -223,13 +223,19 @@ def test_bench_rollouts_compares_batched_with_one_at_a_time(tmp_path, tools):
     out = tmp_path / "rollouts.json"
     assert bench_module("bench_rollouts").main(["--checkpoint", str(tmp_path / "m"), "--prompts", "2", "--group", "2",
                                                 "--new_tokens", "4", "--repeats", "1", "--out", str(out),
-                                                *(["--tools", "--rounds", "2"] if tools else [])]) == 0
+                                                *(["--tools", "--rounds", "2", "--loss"] if tools else [])]) == 0
     report = json.loads(out.read_text())
     assert (report["prompts"], report["group"], report["new_tokens"]) == (2, 2, 4) and "cores" in report["machine"]
     assert report["tools"] is tools and report["data"].endswith("tools_rl.jsonl" if tools else "math_train.jsonl")
     assert report["batched_tokens_per_s"] > 0 and report["one_at_a_time_tokens_per_s"] > 0
     assert report["speedup"] == pytest.approx(report["batched_tokens_per_s"] / report["one_at_a_time_tokens_per_s"],
                                               rel=0.01)
+    if tools:  # the policy loss on packed rows (a row per prompt) against a row per completion
+        loss = report["loss"]
+        assert loss["packed_rows"][0] == 2 and loss["one_row_each_rows"][0] == 4
+        assert loss["packed_s"] > 0 and loss["one_row_each_s"] > 0 and loss["speedup"] > 0
+    else:
+        assert "loss" not in report
 
 
 def test_bench_tool_serving_times_reading_against_a_pass_through(tmp_path):

@@ -339,14 +339,7 @@ def test_packed_rows_give_the_loss_and_gradient_of_a_row_per_completion(policy, 
                                    row_keys=[(1, i, g) for i in range(2) for g in range(3)])
     assert out.inputs.shape[0] == 2 if pack_tokens == 2048 else out.inputs.shape[0] > 2
     advantages = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0, 0.5])
-    packed = (out.inputs, out.targets, out.old_log_probs, out.per_token(advantages), out.positions, out.attention)
-    rows = [out.unpacked(i) for i in range(6)]
-    width = max(len(inputs) for inputs, _, _ in rows)
-    single = [torch.full((6, width), tokenizer.pad_id), torch.full((6, width), IGNORE_INDEX), torch.zeros(6, width)]
-    for i, row in enumerate(rows):
-        for tensor, values in zip(single, row):
-            tensor[i, :len(values)] = torch.tensor(values)
-    single = (*single, advantages[:, None].expand(6, width), None, None)
+    packed, single = out.policy_batch(advantages), out.one_row_each(advantages, tokenizer.pad_id)
     objective = PolicyGradient("grpo")
     losses, grads = [], []
     for b in (packed, single):

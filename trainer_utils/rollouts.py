@@ -84,6 +84,25 @@ class Rollouts:
         spread = values.to(self.members.device)[self.members.clamp(min=0)]
         return torch.where(self.members >= 0, spread, torch.zeros((), dtype=spread.dtype, device=spread.device))
 
+    def policy_batch(self, advantages: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows as objectives.PolicyGradient takes them, with each completion's advantage."""
+        return (self.inputs, self.targets, self.old_log_probs, self.per_token(advantages), self.positions,
+                self.attention)
+
+    def one_row_each(self, advantages: torch.Tensor, pad_id: int) -> tuple[torch.Tensor | None, ...]:
+        """The same policy batch without packing, one right-padded row per completion, its prompt included: what
+        the packed rows are tested against and benchmarked against (bench/bench_rollouts.py --loss)."""
+        rows = [self.unpacked(i) for i in range(len(self.completions))]
+        width = -(-max(len(inputs) for inputs, _, _ in rows) // SHAPE_STEP) * SHAPE_STEP
+        inputs, targets = torch.full((len(rows), width), pad_id), torch.full((len(rows), width), IGNORE_INDEX)
+        old = torch.zeros((len(rows), width))
+        for r, row in enumerate(rows):
+            for tensor, values in zip((inputs, targets, old), row):
+                tensor[r, :len(values)] = torch.tensor(values)
+        device = self.inputs.device
+        return (inputs.to(device), targets.to(device), old.to(device),
+                advantages.to(device)[:, None].expand(len(rows), width), None, None)
+
     def unpacked(self, i: int) -> tuple[list[int], list[int], list[float]]:
         """Completion i as a row of its own would hold it: (inputs, targets, old log-probabilities), its prompt
         and everything it continued with but the last token."""

@@ -156,7 +156,7 @@ class RolloutSampler:
             r, completions = sampled.rows, sampled.completions
             total, parts = score(self.terms, completions)
             advantages = group_advantages(total, self.group, self.scale_rewards)
-            batch = (r.inputs, r.targets, r.old_log_probs, r.per_token(advantages), r.positions, r.attention)
+            batch = r.policy_batch(advantages)
             if self.reference is not None:
                 batch = (*batch, self.reference_log_probs(batch, ctx.precision.autocast))
             micro.append(batch)
