@@ -91,7 +91,7 @@ class Rollouts:
 
     def one_row_each(self, advantages: torch.Tensor, pad_id: int) -> tuple[torch.Tensor | None, ...]:
         """The same policy batch without packing, one right-padded row per completion, its prompt included: what
-        the packed rows are tested against and benchmarked against (bench/bench_rollouts.py --loss)."""
+        the packed rows are tested and benchmarked against (bench/bench_rollouts.py times the loss on both)."""
         rows = [self.unpacked(i) for i in range(len(self.completions))]
         width = -(-max(len(inputs) for inputs, _, _ in rows) // SHAPE_STEP) * SHAPE_STEP
         inputs, targets = torch.full((len(rows), width), pad_id), torch.full((len(rows), width), IGNORE_INDEX)
@@ -102,6 +102,23 @@ class Rollouts:
         device = self.inputs.device
         return (inputs.to(device), targets.to(device), old.to(device),
                 advantages.to(device)[:, None].expand(len(rows), width), None, None)
+
+    def only(self, prompts: Sequence[int]) -> Rollouts:
+        """The training rows of these prompts' groups alone (a packed row holds one prompt's rollouts; a row whose
+        rollouts all ended before a token is left out too); the completions' own fields stay whole, so advantages
+        are still given per completion."""
+        kept = set(prompts)
+        firsts = [m[m >= 0] for m in self.members]
+        rows = [r for r, m in enumerate(firsts) if len(m) and self.prompt_rows[int(m[0])] in kept]
+        if not rows:
+            raise ValueError("no rows left: keep at least one prompt with a rollout")
+        index = torch.tensor(rows, device=self.inputs.device)
+        used = int((self.segment[index] >= 0).sum(dim=1).max())
+        width = min(self.inputs.shape[1], -(-used // SHAPE_STEP) * SHAPE_STEP)
+        pick = lambda t: t[index, :width]  # noqa: E731
+        return Rollouts(pick(self.inputs), pick(self.positions), pick(self.segment), pick(self.targets),
+                        pick(self.old_log_probs), pick(self.members), self.completions, self.truncated,
+                        self.prompt_rows)
 
     def unpacked(self, i: int) -> tuple[list[int], list[int], list[float]]:
         """Completion i as a row of its own would hold it: (inputs, targets, old log-probabilities), its prompt
