@@ -68,29 +68,33 @@ def test_an_agent_run_calls_tools_and_logs_what_they_did(tool_model, tmp_path):
     assert (info["prompt_format"], info["method"]) == ("chat", "agent")
 
 
-def test_the_agent_resumes_bit_exactly(tool_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("skip", [False, True])
+def test_the_agent_resumes_bit_exactly(tool_model, tmp_path, monkeypatch, skip):
     """Each reply is keyed by (seed, step, prompt, member, round): the resumed run's rollouts are the straight
-    run's, tool rounds and all."""
-    kw = dict(max_steps=4, log_interval=1, save_interval=2)
+    run's, tool rounds and all; with --skip_uniform_groups too (which groups are left out follows from them)."""
+    kw = {"max_steps": 4, "log_interval": 1, "save_interval": 2, f"{'' if skip else 'no-'}skip_uniform_groups": True}
     straight_and_resumed(monkeypatch, train_agent.main,
                          lambda run, **o: agent_flags(tool_model, tmp_path, run, **kw, **o), 2)
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert all((a[k] == b[k]).all() for k in a)
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
-    for key in ("reward", "tool_calls", "completion_tokens", "loss"):
+    for key in ("reward", "tool_calls", "completion_tokens", "informative", "loss"):
         assert [r[key] for r in straight] == [r[key] for r in resumed], key
+    if skip:  # groups were left out at some step, and some were trained
+        assert any(0 < r["informative"] < 1 for r in straight), [r["informative"] for r in straight]
 
 
 @pytest.mark.slow
 def test_the_agent_under_ddp_is_one_process(tool_model, tmp_path):
     """Groups stay on the rank that holds their prompt, and every reply's sampling is keyed: two DDP ranks roll
-    out, score and learn what one process does with two accumulation steps."""
-    post = dict(max_steps=3, log_interval=1, save_interval=3, optimizer="adamw")
+    out, score and learn what one process does with two accumulation steps; with --skip_uniform_groups, each
+    rank leaving out its own alike-scored groups, and the loss normalised over the tokens all ranks kept."""
+    post = dict(max_steps=3, log_interval=1, save_interval=3, optimizer="adamw", skip_uniform_groups=True)
     single(agent_flags(tool_model, tmp_path, "single", accumulation_steps=2, **post), "train_agent.py")
     torchrun(2, agent_flags(tool_model, tmp_path, "ddp", **post), "train_agent.py")
     a, b = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "ddp")
     assert len(a) == len(b) == 3
-    for key in ("reward", "tool_calls", "completion_tokens", "capped"):
+    for key in ("reward", "tool_calls", "completion_tokens", "capped", "informative"):
         assert [m[key] for m in a] == pytest.approx([m[key] for m in b], abs=1e-6), key
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) <= 1e-5
     wa, wb = weights(tmp_path / "single"), weights(tmp_path / "ddp")

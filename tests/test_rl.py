@@ -353,6 +353,37 @@ def test_packed_rows_give_the_loss_and_gradient_of_a_row_per_completion(policy, 
     assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-5  # fp32 rounding, summed in other orders
 
 
+@pytest.mark.parametrize("pack_tokens", [2048, 40])
+def test_leaving_out_uniform_groups_keeps_the_loss_and_gradient_of_the_others(policy, tokenizer, monkeypatch,
+                                                                             pack_tokens):
+    """Rollouts.only (--skip_uniform_groups): the kept groups' rows give the loss and gradient the whole batch gives
+    with the others' advantages at 0, and only their tokens count (a group spread over rows goes, each of its
+    rows)."""
+    from trainer_utils import rollouts
+    monkeypatch.setattr(rollouts, "PACK_TOKENS", pack_tokens)
+    prompts = [tokenizer.chat_prompt([{"role": "user", "content": q}])
+               for q in ("What is 7 + 5?", "Count to 3.", "Name a colour.")]
+    out = rollouts.sample_rollouts(policy, prompts, 2, 10, tokenizer.stop_ids(chat=True), tokenizer.pad_id,
+                                   row_keys=[(2, i, g) for i in range(3) for g in range(2)])
+    advantages = torch.tensor([1.0, -1.0, 0.0, 0.0, -1.0, 1.0])  # the second prompt's group scored alike
+    kept = out.only([0, 2])
+    assert kept.inputs.shape[0] < out.inputs.shape[0] and kept.inputs.shape[1] % rollouts.SHAPE_STEP == 0
+    assert set(kept.members[kept.members >= 0].tolist()) == {0, 1, 4, 5}
+    objective = PolicyGradient("grpo")
+    losses, grads = [], []
+    for b in (out.policy_batch(advantages), kept.policy_batch(advantages)):
+        policy.zero_grad()
+        result = objective(policy, b, contextlib.nullcontext)
+        result.loss.backward()
+        losses.append(result.loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-7)
+    assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-5
+    assert objective.count(kept.policy_batch(advantages)) == sum(len(out.completions[i]) for i in (0, 1, 4, 5))
+    with pytest.raises(ValueError, match="no rows left"):
+        out.only([])
+
+
 def test_greedy_rollouts_repeat_one_completion_and_sampling_follows_the_seed(policy, tokenizer):
     from model.generate import generate
     from trainer_utils.rollouts import sample_rollouts

@@ -13,10 +13,11 @@ Each optimizer step, before the loss (`before_loss`), every micro-batch of promp
 One update per rollout: the ratio is that of the trained forward to the sampler's own log-probabilities, 1 up to
 their arithmetic (a KV-cached decode against a full forward, both in the training precision), and the clip
 bounds what that mismatch can do. Groups never span ranks or micro-batches. Logged per completion: the reward,
-each term, the within-group standard deviation, the length and the truncated share; per token: the clipped share,
-the ratio, the entropy and the KL; the sampler's tokens per second (per rank). At every evaluation the first
-groups of that step go to rollouts.jsonl with their rewards; the held-out measure is --eval_tasks (the bundled
-dataset/demo/math_heldout.jsonl: exact-match accuracy by generation).
+each term, the length and the truncated share; per group: the within-group standard deviation and the share whose
+rewards differ (informative: the others teach nothing, and --skip_uniform_groups leaves them out of the loss); per
+token: the clipped share, the ratio, the entropy and the KL; the sampler's tokens per second (per rank). At every
+evaluation the first groups of that step go to rollouts.jsonl with their rewards; the held-out measure is
+--eval_tasks (the bundled dataset/demo/math_heldout.jsonl: exact-match accuracy by generation).
 """
 from __future__ import annotations
 
@@ -74,6 +75,11 @@ class GRPOOptions:
     loss_type: str = option(POLICY_LOSSES[0], "the policy loss: grpo, PPO's clipped ratio; cispo, a clipped "
                                               "stop-gradient weight on every token (trainer_utils/objectives.py "
                                               "PolicyGradient)", choices=POLICY_LOSSES)
+    skip_uniform_groups: bool = option(False, "leave out of the loss the groups whose completions all scored the "
+                                              "same (their advantages are 0): their tokens no longer dilute the "
+                                              "loss's normaliser nor cost a training forward (DAPO's dynamic "
+                                              "sampling, without drawing more prompts; with --beta, their KL term "
+                                              "goes too; a micro-batch where no group differs is trained whole)")
     epsilon: float = option(0.2, "the ratio's lower clip, 1 - epsilon (grpo)", at_least=0, below=1)
     epsilon_high: float = option(0.2, "the ratio's upper clip, 1 + epsilon_high (grpo and cispo)", above=0)
 
@@ -115,7 +121,7 @@ class GRPO(Stage):
     def metric_unit(self, name: str) -> str | None:
         if name in ("reward", "completion_tokens", "truncated") or name.startswith("reward/"):
             return "completions"
-        return {"reward_std": "groups", "rollout_tokens_per_s": "rollout_s"}.get(name)
+        return {"reward_std": "groups", "informative": "groups", "rollout_tokens_per_s": "rollout_s"}.get(name)
 
 
 @dataclass
@@ -139,7 +145,8 @@ class RolloutSampler:
         self.reference = None
         if o.beta > 0:  # the --init_from model as it was (a LoRA run's adapters merged), frozen
             self.reference = load_model(ctx.init_dir, device=ctx.device)[0].eval().requires_grad_(False)
-        self.scale_rewards, self.log_every = o.scale_rewards, ctx.config.eval.eval_interval
+        self.scale_rewards, self.skip_uniform_groups = o.scale_rewards, o.skip_uniform_groups
+        self.log_every = ctx.config.eval.eval_interval
 
     @torch.no_grad()
     def sample(self, ctx: RunContext, step: StepBatches) -> StepBatches:
@@ -156,6 +163,12 @@ class RolloutSampler:
             r, completions = sampled.rows, sampled.completions
             total, parts = score(self.terms, completions)
             advantages = group_advantages(total, self.group, self.scale_rewards)
+            groups = total.view(-1, self.group)
+            informative = groups.amax(dim=1) > groups.amin(dim=1)
+            if self.skip_uniform_groups and informative.any():
+                # a micro-batch where no group differs is trained whole, as without the option (all its advantages
+                # are 0): never an empty step, which the loop would skip as non-finite (and fp16's scaler with it)
+                r = r.only(informative.nonzero()[:, 0].tolist())
             batch = r.policy_batch(advantages)
             if self.reference is not None:
                 batch = (*batch, self.reference_log_probs(batch, ctx.precision.autocast))
@@ -163,11 +176,11 @@ class RolloutSampler:
             policy_tokens = sum(c.tokens for c in completions)
             # the packed rows' inputs: each prompt once, then all its completions continued with (tools' results too)
             input_tokens += int((r.segment >= 0).sum())
-            groups = total.view(-1, self.group)
             # sums; the log divides each by its metric_unit: rollout_tokens_per_s is the tokens sampled, over the
             # seconds this hook took (sampling, scoring and the reference's pass)
             add(sums, reward=total.sum(), completions=len(completions), groups=groups.shape[0],
-                reward_std=groups.std(dim=1, unbiased=False).sum(), truncated=sum(r.truncated),
+                reward_std=groups.std(dim=1, unbiased=False).sum(), informative=informative.sum(),
+                truncated=sum(r.truncated),
                 completion_tokens=policy_tokens, rollout_tokens_per_s=policy_tokens, **sampled.metrics,
                 **{f"reward/{k}": v.sum() for k, v in parts.items()})
             if not logged:
