@@ -93,7 +93,7 @@ class Rollouts:
         """The same policy batch without packing, one right-padded row per completion, its prompt included: what
         the packed rows are tested and benchmarked against (bench/bench_rollouts.py times the loss on both)."""
         rows = [self.unpacked(i) for i in range(len(self.completions))]
-        width = -(-max(len(inputs) for inputs, _, _ in rows) // SHAPE_STEP) * SHAPE_STEP
+        width = shape_width(max(len(inputs) for inputs, _, _ in rows))
         inputs, targets = torch.full((len(rows), width), pad_id), torch.full((len(rows), width), IGNORE_INDEX)
         old = torch.zeros((len(rows), width))
         for r, row in enumerate(rows):
@@ -108,13 +108,12 @@ class Rollouts:
         rollouts all ended before a token is left out too); the completions' own fields stay whole, so advantages
         are still given per completion."""
         kept = set(prompts)
-        firsts = [m[m >= 0] for m in self.members]
-        rows = [r for r, m in enumerate(firsts) if len(m) and self.prompt_rows[int(m[0])] in kept]
+        # any completion of a row names its prompt (-1: a row with none)
+        rows = [r for r, i in enumerate(self.members.amax(dim=1).tolist()) if i >= 0 and self.prompt_rows[i] in kept]
         if not rows:
             raise ValueError("no rows left: keep at least one prompt with a rollout")
         index = torch.tensor(rows, device=self.inputs.device)
-        used = int((self.segment[index] >= 0).sum(dim=1).max())
-        width = min(self.inputs.shape[1], -(-used // SHAPE_STEP) * SHAPE_STEP)
+        width = shape_width(int((self.segment[index] >= 0).sum(dim=1).max()))
         pick = lambda t: t[index, :width]  # noqa: E731
         return Rollouts(pick(self.inputs), pick(self.positions), pick(self.segment), pick(self.targets),
                         pick(self.old_log_probs), pick(self.members), self.completions, self.truncated,
@@ -189,8 +188,7 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], owner: Sequence[int], rows: 
             packs[-1][1].append(i)
         else:
             packs.append((p, [i]))
-    width = max(packed_length(prompts, rows, p, members) for p, members in packs)
-    width = -(-width // SHAPE_STEP) * SHAPE_STEP
+    width = shape_width(max(packed_length(prompts, rows, p, members) for p, members in packs))
     shape = (len(packs), width)
     inputs, positions = torch.full(shape, pad_id, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
     segment, members = torch.full(shape, -1, dtype=torch.long), torch.full(shape, -1, dtype=torch.long)
@@ -214,6 +212,11 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], owner: Sequence[int], rows: 
     completions = [row.ids for row in rows]
     return Rollouts(inputs.to(device), positions.to(device), segment.to(device), targets.to(device),
                     old.to(device), members.to(device), completions, truncated, list(owner))
+
+
+def shape_width(length: int) -> int:
+    """A row's width for `length` tokens: the next multiple of SHAPE_STEP (objectives.py says why)."""
+    return -(-length // SHAPE_STEP) * SHAPE_STEP
 
 
 def packed_length(prompts: Sequence[Sequence[int]], rows: Sequence[Row], prompt: int, members: list[int]) -> int:
