@@ -18,9 +18,13 @@ FRONT_PAGES = [README, README_ZH]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [*FRONT_PAGES, *DOCS]
 MAX_FRONT_PAGE_LINES = 250
-# Programs whose command lines are checked: ours run by python (or a launcher), and make targets.
-COMMAND_START = re.compile(r"^(python3?|torchrun|make)\s")
+# Programs whose command lines are checked: ours run by python (the environment's, or .venv's by its path), by a
+# launcher or by a shell, and make targets; a command may start with VAR=value settings.
+ENV_SETTINGS = r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
+PYTHONS = {"python", "python3", ".venv/bin/python"}
+COMMAND_START = re.compile(rf"^{ENV_SETTINGS}(python3?|\.venv/bin/python|torchrun|deepspeed|make|bash|sh)\s")
 LAUNCHERS = {"torchrun", "deepspeed"}
+SHELLS = {"bash", "sh"}
 SHELL_OPERATORS = {"|", "||", "&&", ";", ">", ">>", "<"}
 # Fenced blocks whose lines may be commands: shell blocks and untagged ones (transcripts, `$ ` prompts).
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
@@ -115,7 +119,7 @@ def commands(path: Path) -> list[tuple[int, str]]:
                 pending += stripped[:-1] + " "
                 continue
             full, pending = pending + stripped, ""
-            if COMMAND_START.match(full) or full.split(" ", 1)[0] in LAUNCHERS:
+            if COMMAND_START.match(full):
                 found.append((start, full))
     for number, line in enumerate(prose, 1):
         found += [(number, m.group(2).strip()) for m in INLINE_CODE.finditer(line)
@@ -124,10 +128,14 @@ def commands(path: Path) -> list[tuple[int, str]]:
 
 
 def argv_of(command: str) -> list[str]:
-    """The command's words, without a trailing comment, up to the first shell operator."""
+    """The command's words, without a trailing comment or leading VAR=value settings, up to the first shell
+    operator."""
     words = shlex.split(command, comments=True)
     cut = next((i for i, w in enumerate(words) if w in SHELL_OPERATORS), len(words))
-    return words[:cut]
+    words = words[:cut]
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words = words[1:]
+    return words
 
 
 def make_targets() -> set[str]:
@@ -169,10 +177,12 @@ def problems_of(argv: list[str], entry_flags: dict[str, set[str]], targets: set[
     program, args = argv[0], argv[1:]
     if program == "make":
         return [f"no make target {t!r}" for t in args if "=" not in t and not t.startswith("-") and t not in targets]
+    if program in SHELLS:
+        return [] if not args or (ROOT / args[0]).is_file() else [f"no script {args[0]}"]
     if program in LAUNCHERS:
         script = next((i for i, a in enumerate(args) if a.endswith(".py")), None)
         return ["no script after the launcher"] if script is None else script_problems(args[script:], entry_flags)
-    if program not in ("python", "python3") or not args:
+    if program not in PYTHONS or not args:
         return []
     if args[0] == "-m":
         if len(args) < 2:
@@ -201,9 +211,53 @@ def script_problems(args: list[str], entry_flags: dict[str, set[str]]) -> list[s
 def flag_problems(entry: str, rest: list[str], entry_flags: dict[str, set[str]]) -> list[str]:
     own, passed_on = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
     problems = [f"{entry} has no {flag}" for flag in unknown_flags(own, entry_flags[entry])]
+    problems += value_problems(entry, own)
     if passed_on:  # python -m launch.slurm ... -- train_pretrain.py ...: the rest is the launched script's
         problems += script_problems(passed_on, entry_flags) if passed_on[0].endswith(".py") else []
     return problems
+
+
+def recipe_data_files() -> dict[str, str]:
+    """{file name: the path the recipes give it} for the data files the recipes train on (dataset/...)."""
+    found = {}
+    for recipe in (ROOT / "recipes").glob("*.yaml"):
+        for path in re.findall(r"^\s*data_path:\s*(\S+)", recipe.read_text(), re.M):
+            if path.startswith("dataset/") and not path.startswith("dataset/demo/"):
+                found[Path(path).name] = path
+    return found
+
+
+def value_problems(entry: str, args: list[str]) -> list[str]:
+    """What is wrong with the values of a command's flags: a recipe or DeepSpeed file that does not exist, a preset
+    that is not one, or a recipe's data file named at another path than the recipes put it (a command copied from
+    one page would then not find the file the walkthrough downloaded)."""
+    from model.config import PRESETS
+    problems, data_files = [], recipe_data_files()
+    files = ("--config", "--deepspeed") if entry.startswith("train_") else ()
+    for flag, value in zip(args, args[1:]):
+        if "..." in value or value.isupper():  # a placeholder: PRESET, ...
+            continue
+        if flag in files and not (ROOT / value).is_file():
+            problems.append(f"{flag} {value}: no such file")
+        if flag == "--preset" and value not in PRESETS and value != "auto":
+            problems.append(f"--preset {value}: no such preset")
+    for value in args:
+        name = Path(value.split(":")[0]).name
+        if name in data_files and value.split(":")[0] != data_files[name]:
+            problems.append(f"{value}: the recipes and the walkthrough put it at {data_files[name]}")
+    return problems
+
+
+def launched_problems(argv: list[str]) -> list[str]:
+    """A training script started by a launcher (torchrun, deepspeed, launch.slurm) with neither --data_path nor
+    --config would train the bundled demo corpus on every GPU: a scaling command must name its data."""
+    if not argv:
+        return []
+    launched = argv[0] in LAUNCHERS or argv[1:3] == ["-m", "launch.slurm"]
+    script = next((a for a in argv if re.fullmatch(r"train_\w+\.py", a)), None)
+    if launched and script and not {"--data_path", "--config"} & set(argv):
+        return [f"{script} is launched without --data_path or --config: it would train the demo corpus"]
+    return []
 
 
 def test_front_page_is_short():
@@ -244,8 +298,33 @@ def test_docs_page_starts_with_a_way_back_and_a_title(page):
 def test_commands_exist_with_their_flags(page, entry_flags):
     targets = make_targets()
     problems = [f"{rel(page)}:{number}: {command}: {problem}" for number, command in commands(page)
-                for problem in problems_of(argv_of(command), entry_flags, targets)]
+                for problem in problems_of(argv_of(command), entry_flags, targets) + launched_problems(
+                    argv_of(command))]
     assert problems == []
+
+
+def test_the_command_checks_catch_what_the_docs_once_got_wrong(entry_flags):
+    """Each rule above, on a command line it must reject and one it must accept."""
+    targets = make_targets()
+
+    def problems(command: str) -> list[str]:
+        argv = argv_of(command)
+        return problems_of(argv, entry_flags, targets) + launched_problems(argv)
+
+    bad = ["torchrun --nproc_per_node 8 train_pretrain.py --data_path pretrain_hq.jsonl",
+           "torchrun --nproc_per_node 8 train_pretrain.py --deepspeed launch/ds_zero2.json",
+           "python train_pretrain.py --config recipes/no-such-recipe.yaml",
+           "python train_pretrain.py --preset minimind-27m",
+           "OUT=x bash bench/no_such_check.sh",
+           ".venv/bin/python train_pretrain.py --no_such_flag 1",
+           "make no-such-target PYTHON=python3.12"]
+    good = ["torchrun --nproc_per_node 8 train_pretrain.py --data_path dataset/pretrain_hq.jsonl",
+            "python train_pretrain.py --config recipes/minimind-26m-pretrain.yaml --preset minimind-26m",
+            "OUT=x bash bench/gpu_check.sh", "make demo PYTHON=python3.12",
+            "python -m model.convert --checkpoint minimind.pth --config config.json --out_dir hf_model",
+            "python -m launch.slurm --nodes 2 -- train_pretrain.py --data_path dataset/pretrain_hq.jsonl"]
+    assert [c for c in bad if not problems(c)] == []
+    assert {c: problems(c) for c in good if problems(c)} == {}
 
 
 def test_front_pages_show_the_same_commands():
