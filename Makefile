@@ -63,8 +63,7 @@ PYTEST_THREADS := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 test: install-dev
 	@$(PYTEST_THREADS) $(PY) -m pytest -q $(PYTEST_PARALLEL) tests; $(NO_TESTS_IS_AN_ERROR)
 
-# The inner loop: everything not marked slow (no subprocesses, no multi-process runs): about 3.5 minutes on a 2-core
-# Intel Xeon with AMX (docs/testing.md).
+# The inner loop: everything not marked slow (no subprocesses, no multi-process runs; docs/testing.md).
 test-fast: install-dev
 	@$(PYTEST_THREADS) $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow" tests; $(NO_TESTS_IS_AN_ERROR)
 
