@@ -1,0 +1,160 @@
+"""What the set-up costs a newcomer: the downloads of PyTorch's build from PyPI, and a fresh install's time.
+
+    python bench/bench_install.py --python python3.12 --out bench/results/install-linux-x86_64.json
+    python bench/bench_install.py --fresh_clone --targets install install-dev --out bench/results/install-fresh.json
+
+--python resolves `torch==<the Makefile's TORCH_VERSION>` as `make install` asks for it, with that interpreter, on
+PyPI alone (this machine's pip configuration ignored: what a user's machine sees), without downloading any wheel
+(pip's dry run reads the index's metadata files), and adds up the files' sizes from the index. On Linux x86-64
+that is the CUDA build and its NVIDIA libraries.
+
+--fresh_clone clones this repository's HEAD into a temporary folder and times each make target there, as a
+newcomer types it, with an empty pip cache; the cache's size after each target is what was downloaded (and built)
+for it. The machine's CPU, Python and pip settings are recorded beside the times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+INDEX = "https://pypi.org/simple"
+
+
+def torch_version() -> str:
+    return re.search(r"^TORCH_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def public_pip_env() -> dict[str, str]:
+    """The environment with this machine's pip configuration (local wheels, extra indexes, caps) switched off."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def file_size(name: str, filename: str) -> int:
+    """A file's size as the index states it (PEP 691 JSON)."""
+    request = urllib.request.Request(f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    return next(f["size"] for f in files if f["filename"] == filename)
+
+
+def resolve_torch(python: str) -> dict:
+    """The files pip would download for the Makefile's torch pin, with their sizes (nothing is installed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([python, "-m", "venv", f"{tmp}/env"], check=True)
+        report = Path(tmp, "report.json")
+        subprocess.run([f"{tmp}/env/bin/python", "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+                        "--index-url", INDEX, "--report", str(report), f"torch=={torch_version()}"],
+                       check=True, env=public_pip_env())
+        info = json.loads(report.read_text())
+        interpreter = subprocess.run([f"{tmp}/env/bin/python", "-c",
+                                      "import platform; print(platform.python_version(), platform.machine())"],
+                                     capture_output=True, text=True, check=True).stdout.split()
+    files = []
+    for item in info["install"]:
+        filename = item["download_info"]["url"].rsplit("/", 1)[1]
+        files.append({"name": item["metadata"]["name"], "version": item["metadata"]["version"],
+                      "file": filename, "bytes": file_size(item["metadata"]["name"].lower(), filename)})
+    files.sort(key=lambda f: -f["bytes"])
+    torch_wheel = next(f["bytes"] for f in files if f["name"] == "torch")
+    return {"python": interpreter[0], "machine": interpreter[1], "system": platform.system(),
+            "requirement": f"torch=={torch_version()}", "index": INDEX, "files": files,
+            "total_bytes": sum(f["bytes"] for f in files), "torch_wheel_bytes": torch_wheel,
+            "other_bytes": sum(f["bytes"] for f in files) - torch_wheel}
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def cpu_kind() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = set(re.search(r"^flags\s*:\s*(.+)$", text, re.M).group(1).split()) if "flags" in text else set()
+    bf16 = "native bf16 (" + ", ".join(sorted(flags & {"avx512_bf16", "amx_bf16"})) + ")" \
+        if flags & {"avx512_bf16", "amx_bf16"} else "AVX2 only, no native bf16"
+    return f"{os.cpu_count()}-core {model.group(1) if model else platform.machine()}, {bf16}"
+
+
+def run_summary(run_dir: Path) -> dict | None:
+    """A demo run's steps, its last validation losses and its median training throughput (metrics.jsonl)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    evals = [r for r in records if "val_loss" in r]
+    rates = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
+    return {"steps": max(r.get("step", 0) for r in records),
+            "val_loss": evals[-1]["val_loss"] if evals else None, "val_bpb": evals[-1].get("val_bpb") if evals else None,
+            "median_tokens_per_s": rates[len(rates) // 2] if rates else None}
+
+
+def fresh_install(targets: list[str], python: str) -> dict:
+    """Each make target timed in a fresh clone of HEAD, one after another, with an empty pip cache."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        clone, cache = Path(tmp, "clone"), Path(tmp, "pip-cache")
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        env = {**os.environ, "PIP_CACHE_DIR": str(cache)}
+        env.pop("VIRTUAL_ENV", None)
+        for target in targets:
+            before = tree_bytes(cache) if cache.exists() else 0
+            start = time.perf_counter()
+            run = subprocess.run(["make", target, f"PYTHON={python}"], cwd=clone, env=env, capture_output=True,
+                                 text=True)
+            seconds = time.perf_counter() - start
+            if run.returncode != 0:
+                sys.exit(f"error: make {target} failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+            results.append({"target": target, "seconds": round(seconds, 1),
+                            "pip_cache_bytes_added": tree_bytes(cache) - before,
+                            "venv_bytes": tree_bytes(clone / ".venv") if (clone / ".venv").exists() else None,
+                            "first_line": run.stdout.splitlines()[0] if run.stdout else "",
+                            "last_lines": run.stdout.splitlines()[-6:]})
+            if target == "demo":
+                results[-1]["runs"] = {name: run_summary(clone / "out" / name) for name in ("demo-pretrain", "demo-sft")}
+            print(f"make {target}: {seconds:.0f} s, pip cache +{results[-1]['pip_cache_bytes_added'] / 1e6:.0f} MB")
+    local_wheels = bool(os.environ.get("PIP_FIND_LINKS")) or bool(
+        subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout.count("find-links"))
+    return {"machine": cpu_kind(), "python": python,
+            "python_version": subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                                             capture_output=True, text=True).stdout.strip(),
+            "pip_find_links_configured": local_wheels, "targets": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--python", help="resolve PyTorch's PyPI build for this interpreter")
+    parser.add_argument("--fresh_clone", action="store_true", help="time make targets in a fresh clone")
+    parser.add_argument("--targets", nargs="+", default=["install"], help="make targets for --fresh_clone")
+    parser.add_argument("--base_python", default="python3", help="PYTHON for make in --fresh_clone")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if not args.python and not args.fresh_clone:
+        parser.error("give --python or --fresh_clone")
+    result: dict = {"date": time.strftime("%Y-%m-%d")}
+    if args.python:
+        result["pypi_torch"] = resolve_torch(args.python)
+        t = result["pypi_torch"]
+        print(f"torch=={torch_version()} from PyPI for Python {t['python']} on {t['machine']}: "
+              f"{t['total_bytes'] / 1e9:.2f} GB in {len(t['files'])} files (torch's wheel {t['torch_wheel_bytes'] / 1e6:.0f} MB)")
+    if args.fresh_clone:
+        result["fresh_clone"] = fresh_install(args.targets, args.base_python)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
