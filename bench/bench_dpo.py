@@ -40,6 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.portable import portable  # noqa: E402
 from common.device import choose_dtype, cpu_model, dtype_name, parse_device, synchronize  # noqa: E402
 from dataset.config import DataConfig, training_data  # noqa: E402
 from dataset.preference import PreferenceDataset  # noqa: E402
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": dtype_name(dtype), "dtype_requested": args.dtype,
         "model": {"preset": args.preset, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
                   "vocab_size": cfg.vocab_size, "parameters": cfg.num_parameters()},
-        "data": {"path": str(args.data_path), "train_pairs": ds.num_examples, "max_seq_len": args.max_seq_len},
+        "data": {"path": portable(args.data_path), "train_pairs": ds.num_examples, "max_seq_len": args.max_seq_len},
         "batch_size_pairs": b, "measured_batches": len(batches), "steps_per_block": args.steps,
         "warmup_steps": args.warmup, "repeats": args.repeats,
         "padded_positions_per_step": round(padded_positions(ds, chosen) / len(chosen), 1),

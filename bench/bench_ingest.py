@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.portable import portable  # noqa: E402
 from common.device import cpu_description  # noqa: E402
 from dataset.clean import clean_file  # noqa: E402
 from dataset.ingest import IngestOptions, ingest  # noqa: E402
@@ -99,14 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": cpu_description(),
         "cores": os.cpu_count(),
-        "folder": str(folder),
+        "folder": portable(folder),
         "files": len(refs),
         "ngram": N,
         "worst_recovered": worst_recovered,
         "worst_boilerplate": worst_boilerplate,
         "quality_by_file": quality,
         "by_format": by_format,
-        "cleaning": {"data": args.clean_data, "ingest_s": round(ingest_clean_s, 3),
+        "cleaning": {"data": portable(args.clean_data), "ingest_s": round(ingest_clean_s, 3),
                      "dataset_clean_s": round(min(clean_runs), 3),
                      "ratio": round(ingest_clean_s / min(clean_runs), 3)},
         "repeats": args.repeats,

@@ -63,6 +63,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.portable import portable  # noqa: E402
 from common.device import cpu_model  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.files import DEFAULT_TOKENIZER_DIR  # noqa: E402
@@ -363,7 +364,8 @@ def mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
 
 def summarize(plan: Plan, runs: list[Run]) -> dict[str, Any]:
     """A configuration's results: each run's, and their mean over the seeds."""
-    row: dict[str, Any] = {"name": plan.config.name, "flags": plan.config.flags, "steps": plan.steps,
+    row: dict[str, Any] = {"name": plan.config.name, "flags": [portable(f) for f in plan.config.flags],
+                           "steps": plan.steps,
                            "tokens_per_step": plan.tokens_per_step, "tokens": plan.steps * plan.tokens_per_step,
                            "eval_interval": plan.eval_interval}
     if plan.seconds_per_step is not None:
@@ -372,7 +374,8 @@ def summarize(plan: Plan, runs: list[Run]) -> dict[str, Any]:
     row["runs"] = []
     for r in runs:
         final = r.curve[-1] if r.curve else {}
-        row["runs"].append({"seed": r.seed, "command": shlex.join(r.command), "run_dir": str(r.run_dir),
+        row["runs"].append({"seed": r.seed, "command": shlex.join(map(portable, r.command)),
+                            "run_dir": portable(r.run_dir),
                             "process_s": round(r.process_s, 2), "wall_s": final.get("elapsed_s"),
                             "final_val_loss": final.get("val_loss"), "final_val_bpb": final.get("val_bpb"),
                             "curve": r.curve, **({"error": r.error} if r.error else {})})
@@ -617,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     first = next((r.run_dir for rs in runs.values() for r in rs if r.curve), None)
     where = resolved(first) if first else {}
     report = {"budget": budget, "evals": evals, "seeds": sorted({r.seed for rs in runs.values() for r in rs}),
-              "shared_flags": shared, "baseline": plans[0].config.name, "metric": metric,
+              "shared_flags": [portable(f) for f in shared], "baseline": plans[0].config.name, "metric": metric,
               "device": f"{where.get('device', '?')} ({where.get('dtype', '?')})", "host": cpu_model(),
               "torch": torch.__version__, "configs": rows}
     out.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.portable import portable  # noqa: E402
 from common.device import cpu_description  # noqa: E402
 from dataset.prompts import PromptDataset  # noqa: E402
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer  # noqa: E402
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             tokens = fn()
             times[name].append((time.perf_counter() - t0, tokens))
     rate = {name: max(tokens / seconds for seconds, tokens in runs) for name, runs in times.items()}
-    result = {"machine": f"{os.cpu_count()} cores, {cpu_description()}", "checkpoint": args.checkpoint,
-              "data": data, "tools": args.tools, **({"rounds": args.rounds} if args.tools else {}),
+    result = {"machine": f"{os.cpu_count()} cores, {cpu_description()}", "checkpoint": portable(args.checkpoint),
+              "data": portable(data), "tools": args.tools, **({"rounds": args.rounds} if args.tools else {}),
               "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
               "threads": torch.get_num_threads(),
               "batched_tokens_per_s": round(rate["batched"], 1),

@@ -29,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.portable import portable  # noqa: E402
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR  # noqa: E402
 from model import ModelConfig, PocketLM, get_preset, save_model  # noqa: E402
 from model.inference import read_train_info  # noqa: E402
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         if args.checkpoint:
             checkpoint = Path(args.checkpoint)
-            shape = {"checkpoint": str(checkpoint)}
+            shape = {"checkpoint": portable(checkpoint)}
         else:
             overrides = {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_hidden_layers,
                          "num_attention_heads": args.num_attention_heads,

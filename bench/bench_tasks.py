@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.portable import portable  # noqa: E402
 from common.device import cpu_description  # noqa: E402
 from dataset.tasks import packaged_task, write_lm_eval_task  # noqa: E402
 
@@ -65,7 +66,7 @@ def main() -> int:
             theirs_s.append(seconds)
     ours_acc = re.search(rf"\| {args.task} \| \d+ \| ([0-9.]+) \| ([0-9.]+) \|", ours_out)
     theirs_acc = re.search(r"\|acc\s*\|[^|]*\|\s*([0-9.]+)\|", theirs_out)
-    result = {"machine": f"{os.cpu_count()} cores, {cpu_description()}", "checkpoint": args.checkpoint,
+    result = {"machine": f"{os.cpu_count()} cores, {cpu_description()}", "checkpoint": portable(args.checkpoint),
               "task": args.task,
               "items": len(items), "continuations": sum(len(i.pairs) for i in items), "batch_size": args.batch_size,
               "ours_s": round(min(ours_s), 2), "lm_eval_s": round(min(theirs_s), 2),

@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.portable import portable  # noqa: E402
 from common.device import choose_dtype, cpu_description, dtype_name, parse_device  # noqa: E402
 from trainer_utils.budget import parse_duration  # noqa: E402
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         records.append(r)
         print(f"{budget:>6}: {r['wall_s']:8.1f} s = {r['share']:.1%} of the budget, {r['trained_steps']} steps "
               f"({r['planned_steps']} planned, {r['replans']} re-plans)", flush=True)
-    result = {"machine": machine, "goal": list(GOAL), "recipe": args.recipe, "runs": records}
+    result = {"machine": machine, "goal": list(GOAL), "recipe": portable(args.recipe), "runs": records}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

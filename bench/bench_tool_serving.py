@@ -29,6 +29,7 @@ import uvicorn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import serving.api as api  # noqa: E402
+from bench.portable import portable  # noqa: E402
 from common.config import parse_config  # noqa: E402
 from common.device import cpu_description  # noqa: E402
 from common.tool_calls import ReplyStream  # noqa: E402
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             api.Reading = real
             server.should_exit = True
     read, plain = (statistics.median(times[k]) for k in ("read", "pass-through"))
-    result = {"machine": f"{cpu_description()}, {os.cpu_count()} cores, 1 torch thread", "checkpoint": str(checkpoint),
+    result = {"machine": f"{cpu_description()}, {os.cpu_count()} cores, 1 torch thread",
+              "checkpoint": portable(checkpoint),
               "requests_each": args.requests, "max_tokens": args.max_tokens,
               "median_s_read": round(read, 4), "median_s_pass_through": round(plain, 4),
               "ratio": round(read / plain, 4), "reader_us_per_token": round(reader_cost(service.tokenizer), 2)}

@@ -47,6 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.portable import portable  # noqa: E402
 from common.device import cpu_description  # noqa: E402
 from common.errors import DataError  # noqa: E402
 from dataset.jsonl import read_records  # noqa: E402
@@ -161,8 +162,9 @@ def run_minimind(checkout: Path, train: Path, out: Path, threads: int) -> Leg:
     text_bytes = sum(len(tok.decode(r).encode("utf-8")) for r in rows)
     step_s = steady(times)
     per_step = len(rows) / len(times)  # documents a step
-    return Leg("MiniMind", shlex.join(cmd), wall, len(times), step_s, tokens / len(rows) * per_step / step_s,
-               text_bytes / len(rows) * per_step / step_s, final_loss=losses[-1])
+    return Leg("MiniMind", shlex.join(map(portable, cmd)), wall, len(times), step_s,
+               tokens / len(rows) * per_step / step_s, text_bytes / len(rows) * per_step / step_s,
+               final_loss=losses[-1])
 
 
 def minimind_tokenizer(work: Path):
@@ -207,7 +209,8 @@ def run_pocketlm(name: str, flags: str, train: Path, out: Path, budget_s: float,
     texts = read_texts(train)
     bytes_per_token = sum(len(t.encode("utf-8")) for t in texts) / sum(len(tok.encode(t)) + 1 for t in texts)
     tokens_per_s = 8 * SEQ / step_s
-    return Leg(name, shlex.join(cmd), wall, steps[-1]["step"], step_s, tokens_per_s, tokens_per_s * bytes_per_token,
+    return Leg(name, shlex.join(map(portable, cmd)), wall, steps[-1]["step"], step_s, tokens_per_s,
+               tokens_per_s * bytes_per_token,
                final_loss=losses[-1] if losses else None)
 
 
@@ -274,7 +277,7 @@ def main() -> None:
     legs = [leg("MiniMind", minimind)]
     legs += [leg(name, lambda n=name, f=flags: ours(n, f, legs[0].wall_s)) for name, flags in configs.items()]
     report = {"machine": cpu_description(), "cores": os.cpu_count(), "threads": args.threads,
-              "data": str(args.data), "train_docs": args.train_docs,
+              "data": portable(args.data), "train_docs": args.train_docs,
               "heldout_docs": {k: len(read_texts(v)) for k, v in held.items()}, "legs": [asdict(x) for x in legs]}
     (args.out / "results.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
     (args.out / "results.md").write_text(table(legs) + "\n")

@@ -1,11 +1,17 @@
 """Build PocketLM's shipped default tokenizer (model/tokenizer/) from a measured EN/ZH mix, and measure it.
 
-    python scripts/fetch_zh_docs.py                                  # modern Chinese (Debian's documentation)
-    python scripts/build_default_tokenizer.py                        # the shipped mix, into model/tokenizer/
-    python scripts/build_default_tokenizer.py --zh_share 0.5 --out_dir /tmp/tok --compare /path/to/minimind/model
+    python scripts/fetch_zh_docs.py                     # modern Chinese (Debian's documentation), into dataset/zh_docs/
+    python scripts/build_default_tokenizer.py --data_path CORPUS.jsonl dataset/zh_docs/zh_docs.jsonl
+                                                        # the shipped mix, into model/tokenizer/
+    python scripts/build_default_tokenizer.py --data_path CORPUS.jsonl dataset/zh_docs/zh_docs.jsonl \\
+        --zh_share 0.5 --out_dir /tmp/tok --compare /path/to/minimind/model
 
-Input is JSONL files of {"text", "source", "lang"} documents: the benchmark corpus (../shared/corpora) and the
-modern Chinese of scripts/fetch_zh_docs.py. Every document is put on the train or the held-out side by a stable
+Input (--data_path, required) is JSONL files of {"text", "source", "lang"} documents ("lang" "en" or "zh"): a
+corpus of your own and the modern Chinese of scripts/fetch_zh_docs.py. The shipped tokenizer was built from the
+226 MB EN+ZH benchmark corpus (pretrain_bench.jsonl, not shipped: English prose, the kernel's and Python's
+documentation, chinese-poetry, the Chinese Union Version Bible and the kernel documentation's zh_CN, gathered from
+public package registries; docs/tokenizer.md). `python -m dataset.ingest` makes such a file from your own
+documents (it detects each record's "lang"). Every document is put on the train or the held-out side by a stable
 hash of its text (sha1), so the split does not depend on file order and a duplicated document always lands on
 the same side. The training text is a mix of three groups, each reached by sampling its documents (a stable hash
 again) or, for a group smaller than its share, repeating them:
@@ -71,7 +77,6 @@ from dataset.tokenizer import (  # noqa: E402
     train_bpe,
 )
 
-DEFAULT_DATA_PATHS = ["/work/data/bench/pretrain_bench.jsonl", "/work/data/zh_docs/zh_docs.jsonl"]
 CHAT_PATH = ROOT / "dataset" / "demo" / "sft_demo.jsonl"
 DEMO_PRETRAIN_PATH = ROOT / "dataset" / "demo" / "pretrain_demo.jsonl"
 CLASSICAL_SOURCES = ("poetry",)  # source prefixes (before ":") of classical Chinese
@@ -324,8 +329,9 @@ def train_mix(split: Split, targets: dict[str, float], vocab_size: int, min_freq
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_path", nargs="+", default=DEFAULT_DATA_PATHS,
-                   help='JSONL files of {"text", "source", "lang"} documents')
+    p.add_argument("--data_path", nargs="+", required=True, metavar="F.jsonl",
+                   help='JSONL files of {"text", "source", "lang"} documents (a corpus of your own, and '
+                        'scripts/fetch_zh_docs.py\'s dataset/zh_docs/zh_docs.jsonl)')
     p.add_argument("--out_dir", default=str(DEFAULT_TOKENIZER_DIR))
     p.add_argument("--zh_share", type=float, default=ZH_SHARE, help="share of the training bytes that is Chinese")
     p.add_argument("--zh_modern_share", type=float, default=ZH_MODERN_SHARE,

@@ -1,7 +1,7 @@
 """Fetch modern Chinese text for training the default tokenizer: Debian's Simplified Chinese documentation.
 
-    python scripts/fetch_zh_docs.py                       # -> /work/data/zh_docs/zh_docs.jsonl
-    python scripts/fetch_zh_docs.py --out_dir DIR
+    python scripts/fetch_zh_docs.py                       # -> dataset/zh_docs/zh_docs.jsonl (in the repository)
+    python scripts/fetch_zh_docs.py --out_dir DIR         # -> DIR/zh_docs.jsonl
 
 The benchmark corpus's Chinese is 94% classical poetry (chinese-poetry), with two small modern sources (the
 Chinese Union Version Bible and the kernel documentation's zh_CN translation). A tokenizer trained on it learns
@@ -107,7 +107,8 @@ def documents(root: Path) -> list[tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="/work/data/zh_docs")
+    p.add_argument("--out_dir", default=str(ROOT / "dataset" / "zh_docs"),
+                   help="where zh_docs.jsonl and manifest.json go (default: dataset/zh_docs/ in the repository)")
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

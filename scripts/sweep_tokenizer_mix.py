@@ -1,7 +1,12 @@
 """Sweep the default tokenizer's training mix: train one tokenizer per (zh_share, zh_modern_share) and score each.
 
-    python scripts/sweep_tokenizer_mix.py --compare /path/to/minimind/model      # the grid below
-    python scripts/sweep_tokenizer_mix.py --zh_share 0.3 0.5 --zh_modern_share 0.6 --out /tmp/sweep.json
+    python scripts/sweep_tokenizer_mix.py --data_path CORPUS.jsonl dataset/zh_docs/zh_docs.jsonl \\
+        --compare /path/to/minimind/model                                          # the grid below
+    python scripts/sweep_tokenizer_mix.py --data_path CORPUS.jsonl dataset/zh_docs/zh_docs.jsonl \\
+        --zh_share 0.3 0.5 --zh_modern_share 0.6 --out /tmp/sweep.json
+
+--data_path (required) takes the same JSONL files of {"text", "source", "lang"} documents as
+scripts/build_default_tokenizer.py (whose docstring says what the shipped tokenizer was built from).
 
 Every point trains on the same amount of text (--train_mb) drawn as scripts/build_default_tokenizer.py draws it,
 and is scored on the same held-out sets; the tokenizers given to --compare, and the shipped one (named "shipped"
@@ -23,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from build_default_tokenizer import (  # noqa: E402
-    DEFAULT_DATA_PATHS,
     TRAIN_MB,
     chat_texts,
     evaluation_sets,
@@ -67,7 +71,8 @@ def plot(points: list[dict], compared: dict[str, dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_path", nargs="+", default=DEFAULT_DATA_PATHS)
+    p.add_argument("--data_path", nargs="+", required=True, metavar="F.jsonl",
+                   help='JSONL files of {"text", "source", "lang"} documents, as scripts/build_default_tokenizer.py')
     p.add_argument("--zh_share", nargs="+", type=float, default=[0.3, 0.4, 0.5, 0.6, 0.7])
     p.add_argument("--zh_modern_share", nargs="+", type=float, default=[0.1, 0.3, 0.6, 0.9])
     p.add_argument("--train_mb", type=float, default=TRAIN_MB)

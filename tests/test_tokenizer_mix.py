@@ -136,10 +136,13 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert build.main(["--data_path", str(tmp_path / "missing.jsonl"), "--out_dir", str(tmp_path / "t")]) == 2
     assert "no such file" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        build.main(["--zh_share", "1.5"])
-    with pytest.raises(SystemExit):
-        build.main(["--val_fraction", "1"])
+    for flag, value in (("--zh_share", "1.5"), ("--val_fraction", "1")):
+        with pytest.raises(SystemExit):
+            build.main(["--data_path", str(tmp_path / "x.jsonl"), flag, value])
+        assert flag in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the corpus is the user's: no default path
+        build.main([])
+    assert "--data_path" in capsys.readouterr().err
 
 
 def test_shipped_tokenizer_matches_its_compression_record():
