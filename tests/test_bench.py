@@ -266,3 +266,23 @@ def test_bench_time_budget_records_each_budget_against_its_wall_time(corpus, tmp
     assert result["machine"]["device"] == "cpu" and result["goal"] == [0.9, 1.05]
     assert run["budget_s"] == 6 and run["share"] == pytest.approx(run["wall_s"] / 6, rel=1e-3)
     assert run["trained_steps"] >= 1 and run["probe"]["step_s"] > 0 and isinstance(run["within_goal"], bool)
+
+
+def test_bench_install_summarises_a_run_from_its_metrics(tmp_path):
+    """The fresh-clone benchmark's summary of a demo run: the last evaluation, the first and last logged training
+    loss and the median rate, from records written as the trainer writes them (evaluations and events between)."""
+    import bench.bench_install as bench_install
+    records = [{"step": 10, "loss": 8.0, "tokens_per_s": 100, "step_time_s": 4.0},
+               {"step": 12, "event": "time_budget", "steps": 30},
+               {"step": 20, "loss": 6.0, "tokens_per_s": 300, "step_time_s": 1.0},
+               {"step": 20, "val_loss": 6.5, "val_bpb": 3.0, "val_ppl": 665.1},
+               {"step": 30, "loss": 5.0, "tokens_per_s": 200, "step_time_s": 2.0},
+               {"step": 30, "val_loss": 5.5, "val_bpb": 2.5, "val_ppl": 244.7},
+               {"step": 31, "probes_correct": 0.0}]
+    write_jsonl(tmp_path / "metrics.jsonl", records)
+    assert bench_install.run_summary(tmp_path) == {
+        "steps": 31, "val_loss": 5.5, "val_bpb": 2.5, "val_ppl": 244.7, "first_logged_loss": 8.0,
+        "last_logged_loss": 5.0, "median_tokens_per_s": 200, "median_step_time_s": 2.0}
+    assert bench_install.run_summary(tmp_path / "missing") is None
+    assert bench_install.torch_version() == re.search(r"^TORCH_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(),
+                                                      re.M).group(1)

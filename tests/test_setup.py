@@ -7,6 +7,7 @@ library lacks ensurepip (as Debian's does without python3-venv) or carries conda
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -165,3 +166,18 @@ def test_make_never_installs_into_a_python_outside_an_environment(tmp_path):
     subprocess.run([str(base_python()), "-m", "venv", "--without-pip", str(tmp_path / "env")], check=True)
     python = str(tmp_path / "env" / "bin" / "python")
     assert pip_installers(make_dry_run(python, *every_install)) == {python}
+
+
+def test_the_pages_quote_the_makefiles_torch_pin_and_its_measured_downloads():
+    """The PyTorch pin is declared once (the Makefile); the front pages name it and the download sizes that
+    bench/bench_install.py measured for it (bench/results/install-linux-x86_64.json), not figures of their own."""
+    pin = re.search(r"^TORCH_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    pypi = json.loads((ROOT / "bench/results/install-linux-x86_64.json").read_text())["pypi_torch"]
+    assert pypi["requirement"] == f"torch=={pin}"
+    total = f"{pypi['total_bytes'] / 1e9:.2f} GB"
+    for page in ("README.md", "README_zh.md", "docs/real-model.md", "docs/real-model_zh.md"):
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert set(re.findall(r"torch==([\d.]+\d)", text)) <= {pin}, page
+        assert total in text, (page, total)
+    for page in ("README.md", "README_zh.md"):
+        assert str(len(pypi["files"])) in (ROOT / page).read_text(encoding="utf-8")
