@@ -181,3 +181,14 @@ def test_the_pages_quote_the_makefiles_torch_pin_and_its_measured_downloads():
         assert total in text, (page, total)
     for page in ("README.md", "README_zh.md"):
         assert str(len(pypi["files"])) in (ROOT / page).read_text(encoding="utf-8")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gpu_check_installs_pytest_and_runs_the_check_in_the_environment():
+    """A GPU owner's path (docs/real-model.md): `make gpu-check` after `make install` gives the check the pytest
+    that runs its CUDA tests, and runs it with the environment's Python."""
+    commands = make_dry_run(base_python(), "gpu-check")
+    assert ".venv/bin/python -m pip install --disable-pip-version-check -q -r requirements-test.txt" in commands
+    assert "PYTHON=.venv/bin/python bash bench/gpu_check.sh" in commands
+    assert re.search(r"^pytest\b", (ROOT / "requirements-test.txt").read_text(), re.M)
+    assert "requirements-test.txt" in (ROOT / "requirements-dev.txt").read_text()  # one declaration of pytest
