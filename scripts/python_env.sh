@@ -80,11 +80,11 @@ case "$mode" in
     ;;
   ensure)
     target=$(chosen)
-    prefix=$("$target" -c 'import os, sys; print(os.path.realpath(sys.prefix))' 2>/dev/null)
+    prefix=$("$py" -c 'import os, sys; print(os.path.realpath(sys.prefix))' 2>/dev/null)
     if [ -d "$VENV" ] && [ "$prefix" = "$(cd "$VENV" && pwd -P)" ]; then
-      target=$VENV/bin/python  # make puts .venv/bin first on PATH: python3 is .venv's own
+      target=$VENV/bin/python py=$VENV/bin/python  # .venv itself, activated (make puts .venv/bin first on PATH)
     fi
-    if [ "$target" = "$py" ]; then
+    if [ "$target" = "$py" ] && [ "$target" != "$VENV/bin/python" ]; then
       too_old "$py"
       echo "make: using the active environment $prefix (Python $("$py" -c "$VERSION"))"
     elif [ -e "$target" ]; then
@@ -92,7 +92,12 @@ case "$mode" in
         || fail "$VENV does not run (was the Python it was made from removed?): rm -rf $VENV and run make again"
       "$target" -c "$OLD_ENOUGH" >/dev/null 2>&1 \
         || fail "$VENV has Python $("$target" -c "$VERSION"); PocketLM needs $FLOOR or newer: rm -rf $VENV and make again with a newer one (make demo PYTHON=python3.12)"
-      echo "make: using $VENV (Python $("$target" -c "$VERSION")); to run the scripts yourself: . $VENV/bin/activate"
+      note=""
+      mine=$("$target" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+      theirs=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo "$mine")
+      [ "$target" != "$py" ] && [ "$mine" != "$theirs" ] \
+        && note=", not $py's $theirs: rm -rf $VENV and make again to remake it from $py"
+      echo "make: using $VENV (Python $("$target" -c "$VERSION")$note); to run the scripts yourself: . $VENV/bin/activate"
     else
       make_venv
     fi

@@ -112,6 +112,11 @@ def test_the_venv_is_made_once_then_used(tmp_path):
     assert again.returncode == 0 and again.stdout.startswith("make: using .venv (Python ")
     # activated, .venv is still named as the project's own
     assert python_env("ensure", venv_python, tmp_path).stdout.startswith("make: using .venv (Python ")
+    # PYTHON of another version than .venv's: .venv is used, and the line says how to remake it from PYTHON
+    other = old_python()
+    if other:
+        note = python_env("ensure", other, tmp_path)
+        assert note.returncode == 0 and f"rm -rf .venv and make again to remake it from {other}" in note.stdout
 
 
 def test_a_python_without_ensurepip_stops_with_the_fix_and_leaves_nothing(tmp_path):
