@@ -15,6 +15,8 @@ endif
 # the environment first on a machine without an NVIDIA GPU (README), or a CUDA build for your driver: an installed
 # PyTorch is kept.
 TORCH_VERSION ?= 2.13.0
+TORCH_NOTE := make: installing torch==$(TORCH_VERSION) from PyPI (on Linux x86-64 its CUDA build, 2.74 GB; the \
+	README shows how to install the CPU build first)
 # `make demo` ends within DEMO_BUDGET, installing included: each training stage gets a share of the time left
 # (scripts/demo_budget.py) and plans its steps from its measured step time. DEMO_PRETRAIN_STEPS=450
 # DEMO_SFT_STEPS=150 train those steps instead, whatever the time.
@@ -33,9 +35,7 @@ env:
 	@sh scripts/python_env.sh ensure "$(PYTHON)"
 
 install: env
-	@$(PY) -c "import torch" 2>/dev/null || { echo "make: installing torch==$(TORCH_VERSION) from PyPI (on Linux \
-		x86-64 its CUDA build, 2.74 GB; the README shows how to install the CPU build first)"; \
-		$(PIP) "torch==$(TORCH_VERSION)"; }
+	@$(PY) -c "import torch" 2>/dev/null || { echo "$(TORCH_NOTE)"; $(PIP) "torch==$(TORCH_VERSION)"; }
 	@# a PyTorch older than the floor (common/device.py) stops here in one line, before pip would swap in a CUDA build
 	@# (-W ignore: PyTorch warns that NumPy is missing, which the next line installs)
 	@$(PY) -W ignore -c "import common.device"
