@@ -104,14 +104,16 @@ def find_files(inputs: Iterable[str | Path], exclude: Iterable[Path] = ()) -> li
 
 # ------------------------------------------------------------------------------------------------ splitting
 def _pieces(text: str, max_chars: int) -> list[str]:
-    """Cut points at the coarsest boundary that exists: paragraphs, lines, sentences, spaces, characters.
-    Joined, the pieces give the text back."""
+    """Cut points at the coarsest boundary that divides the text: paragraphs, lines, sentences, spaces, characters.
+    Joined, the pieces give the text back, and each is shorter than the text, so splitting them again ends: a
+    boundary only at the text's end (a long paragraph and its "\n\n") divides nothing and is passed over."""
     for sep in ("\n\n", "\n"):
         parts = text.split(sep)
-        if len(parts) > 1:
-            return [p + sep for p in parts[:-1]] + [parts[-1]]
+        pieces = [p + sep for p in parts[:-1]] + [parts[-1]]
+        if max(map(len, pieces)) < len(text):
+            return pieces
     sentences = sentence_pieces(text)
-    if len(sentences) > 1:
+    if len(sentences) > 1 and max(map(len, sentences)) < len(text):
         return sentences
     cut = text.rfind(" ", 0, max_chars)
     cut = cut if cut > 0 else max_chars
