@@ -70,6 +70,8 @@ def _evaluate(node: ast.AST) -> float:
             value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise ToolError("division by zero") from None
+        except OverflowError:  # float arithmetic past ~1.8e308 (1e6 ** 64)
+            raise ToolError("result out of range") from None
         if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
             raise ToolError("result out of range")
         return value
@@ -78,7 +80,9 @@ def _evaluate(node: ast.AST) -> float:
 
 def tidy(value: float) -> int | float:
     """A result as it is written back: an integer when it is one, else rounded to 2 decimals (a model copies
-    it into its answer)."""
+    it into its answer). Infinity and NaN are no results (JSON has no such numbers): ToolError."""
+    if not math.isfinite(value):
+        raise ToolError("result out of range")
     value = round(value, 2)
     return int(value) if float(value).is_integer() else value
 
@@ -217,4 +221,7 @@ def run_tool(call: ToolCall, registry: dict[str, Tool] = BUNDLED) -> str:
         result = tool.function(**check_arguments(tool, dict(call.arguments)))
     except ToolError as e:
         result = {"error": str(e)}
-    return json.dumps(result, ensure_ascii=False)
+    except Exception as e:  # noqa: BLE001 -- a tool's own fault on the model's input is that call's error, never
+        # an escape that would end a rollout batch (and the training step around it)
+        result = {"error": f"{call.name} failed: {type(e).__name__}: {e}"}
+    return json.dumps(result, ensure_ascii=False, allow_nan=False)

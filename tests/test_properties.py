@@ -6,11 +6,14 @@ The default profile keeps each property to a few dozen examples so the suite sta
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from common.tools import BUNDLED, ToolCall, ToolError, calculator, run_tool
 from dataset.ingest import split_document
 
 settings.register_profile("default", max_examples=60, deadline=None)
@@ -19,7 +22,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # Text made of what decides where a document is cut: paragraph and line breaks, sentence ends (English and
 # Chinese), spaces, and runs of letters too long for any boundary.
-TEXT = st.lists(st.sampled_from(["A", "word", " ", "\n", "\n\n", ". ", "。", "中文", "x" * 37]), max_size=80).map("".join)
+TEXT = st.lists(st.sampled_from(["A", "word", " ", "\n", "\n\n", ". ", "。", "中文", "x" * 37]),
+                max_size=80).map("".join)
 
 
 @given(text=TEXT, max_chars=st.integers(min_value=1, max_value=60))
@@ -43,3 +47,49 @@ def test_a_paragraph_longer_than_max_chars_then_more_text_is_split():
         records = split_document(text, 8000)
         assert records[-1] == "next" and all(len(r) <= 8000 for r in records)
         assert "".join(records).replace(" ", "") == text.replace(" ", "").replace("\n", "")
+
+
+# Arithmetic-looking text: numbers at the edges of the calculator's limits, every operator it knows and some it
+# does not, brackets, and the × ÷ ^ it rewrites.
+EXPRESSION = st.one_of(
+    st.text(max_size=40),
+    st.lists(st.sampled_from(["1", "9", "0", "1e6", "999999", "1e308", "64", "65", ".5", "+", "-", "*", "/", "//",
+                              "%", "**", "^", "(", ")", " ", "×", "÷", "x", "'a'", "[1]"]), max_size=25).map("".join))
+
+
+@given(EXPRESSION)
+@example("1e6**64")  # float overflow inside the limits on base and exponent: once an OverflowError escaped
+@example("1e400")  # a constant that is already infinite
+def test_the_calculator_gives_a_finite_number_or_a_tool_error(expression):
+    try:
+        result = calculator(expression)
+    except ToolError:
+        return
+    assert isinstance(result["result"], (int, float)) and math.isfinite(result["result"])
+
+
+def reject_non_json(constant: str):
+    raise AssertionError(f"{constant} is not JSON")
+
+
+# A tool's arguments as a model might write them: the right names with values of any JSON type (often of the
+# right one, to reach the tool's own code), or names of its own.
+VALUE = st.one_of(st.text(max_size=30), st.integers(), st.floats(), st.booleans(), st.none(),
+                  st.dates().map(str), st.sampled_from(["km", "mm", "°C", "f", "oz", "gal", "铁", "gold", "U"]),
+                  st.lists(st.integers(), max_size=2))
+CALL = st.one_of(
+    st.sampled_from(sorted(BUNDLED)).flatmap(lambda name: st.tuples(
+        st.just(name), st.fixed_dictionaries({p: VALUE for p in BUNDLED[name].parameters}))),
+    st.tuples(st.sampled_from([*sorted(BUNDLED), "no_such_tool"]),
+              st.dictionaries(st.text(max_size=8), VALUE, max_size=3)))
+
+
+@given(CALL)
+@example(("calculator", {"expression": "1e6**64"}))
+@example(("convert_units", {"value": 1e308, "from_unit": "km", "to_unit": "mm"}))
+@example(("add_days", {"date": "2026-01-01", "days": 10**30}))
+def test_every_bundled_tool_answers_any_call_with_a_json_object(call):
+    """run_tool never raises for the model's input: a result, or {"error": ...}, as strict JSON."""
+    name, arguments = call
+    answer = json.loads(run_tool(ToolCall(name, arguments)), parse_constant=reject_non_json)
+    assert isinstance(answer, dict) and answer
