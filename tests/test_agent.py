@@ -179,7 +179,7 @@ def test_real_sampling_of_a_row_does_not_depend_on_its_batch_mates(tokenizer):
     assert both.rows.completions[0] != both.rows.completions[1]  # each member of a group draws its own
 
 
-def test_the_tool_use_reward_pays_only_well_formed_calls_that_led_to_an_answer():
+def test_the_tool_use_reward_pays_only_well_formed_calls_that_led_to_the_right_answer():
     from trainer_utils.rewards import ToolUse
     done = ToolUse((), calls=2, malformed=0, errors=0)
     for use, expected in ((done, 1.0), (ToolUse((), 0, 0, 0), 0.0), (ToolUse((), 1, 1, 0), 0.0),
@@ -187,6 +187,10 @@ def test_the_tool_use_reward_pays_only_well_formed_calls_that_led_to_an_answer()
                           (ToolUse((), 1, 0, 0, cut=True), 0.0), (ToolUse((), 1, 0, 0, overflow=True), 0.0),
                           (None, 0.0)):
         assert BUILTIN["tool_use"](Completion("The answer is 5.", 10, 64, {"answer": "5"}, use)) == expected, use
+    # one clean call and a wrong answer (calculator("1"), then a guess): in a group where nobody is right, paying
+    # it would make that the best rollout of the group
+    assert BUILTIN["tool_use"](Completion("The answer is 7.", 10, 64, {"answer": "5"}, done)) == 0.0
+    assert BUILTIN["tool_use"](Completion("The answer is 5.", 10, 64, {}, done)) == 0.0  # nothing to check against
 
 
 def test_prompts_offering_bad_or_unknown_tools_stop_naming_the_line(tmp_path, tokenizer):

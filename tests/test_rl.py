@@ -377,7 +377,9 @@ def test_leaving_out_uniform_groups_keeps_the_loss_and_gradient_of_the_others(po
         result.loss.backward()
         losses.append(result.loss.item())
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-7)
+    # the loss is a sum of terms that cancel (each group's advantages sum to zero), so near 0 its float32 rounding
+    # depends on how the threads split the sums: 2.4e-7 apart on two threads
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
     assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-5
     assert objective.count(kept.policy_batch(advantages)) == sum(len(out.completions[i]) for i in (0, 1, 4, 5))
     with pytest.raises(ValueError, match="no rows left"):

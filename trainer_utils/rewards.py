@@ -15,7 +15,9 @@ A reward spec is a comma-separated list of terms, each optionally weighted: "exa
              as common/tool_calls.same_call compares them) and no call is malformed, else 0 (the prompts of
              dataset/demo/tools_heldout.jsonl carry it)
     tool_use 1 when a rollout with tools (train_agent.py) made calls, every one well formed and run without an
-             error, and then answered; else 0 (calls alone earn nothing)
+             error, and then answered right (as `exact` judges); else 0. A bonus on a checked answer: calls
+             alone earn nothing, and neither do clean calls followed by a wrong answer (which a group where
+             nobody is right would otherwise reward)
     length   0 up to LENGTH_FREE of the budget, then falling linearly to -1 at the whole budget (a completion
              cut off by the budget gets -1): long rambling answers cost
     FILE.py:FUNCTION
@@ -107,10 +109,13 @@ def tool_call(c: Completion) -> float:
 
 
 def tool_use(c: Completion) -> float:
-    """1 when a rollout called tools and every call was well formed and ran, and it went on to an answer; calls
-    alone earn nothing (a rollout that loops on calls until the cap gets 0), nor does an answer without a call."""
+    """1 when a rollout called tools, every call was well formed and ran, and it went on to the right answer
+    (`exact`): only what the answer's check verifies pays. Calls alone earn nothing (a rollout that loops on calls
+    until the cap gets 0), nor does an answer without a call, nor a clean call followed by a wrong answer
+    (`calculator("1")` and any guess would otherwise beat the rest of a group where nobody is right)."""
     u = c.tool_use
-    return float(u is not None and u.calls > 0 and u.malformed == 0 and u.errors == 0 and u.answered)
+    clean = u is not None and u.calls > 0 and u.malformed == 0 and u.errors == 0 and u.answered
+    return float(clean and exact(c) == 1.0)
 
 
 def length(c: Completion) -> float:
