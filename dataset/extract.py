@@ -297,9 +297,12 @@ def read_docx(path: Path, encoding: str | None = None) -> Extracted:
         raise Unreadable(f"not a valid .docx ({e})") from None
     parts = []
     for block in doc.iter_inner_content():
-        if hasattr(block, "rows"):  # a table: a line per row, cells joined; merged cells appear once
+        if hasattr(block, "rows"):  # a table: a line per row, cells joined
             for row in block.rows:
-                cells = list(dict.fromkeys(c.text.strip() for c in row.cells if c.text.strip()))
+                # a merged cell spans several grid columns, and python-docx gives it once per column: the same
+                # XML cell, kept once; separate cells that read alike ("0 | 0 | 0") are all kept
+                spans = list({id(c._tc): c for c in row.cells}.values())
+                cells = [c.text.strip() for c in spans if c.text.strip()]
                 if cells:
                     parts.append(" | ".join(cells))
         elif block.text.strip():

@@ -376,3 +376,18 @@ def test_heldout_documents_go_to_their_own_file_whole(tmp_path):
     assert again["heldout"]["records"] == len(held)
     with pytest.raises(ConfigError, match="heldout"):
         IngestOptions(heldout=1.0)
+
+
+def test_a_docx_table_keeps_cells_that_read_alike_and_a_merged_cell_once(tmp_path):
+    """"0 | 0 | 0" once came out as "0" (cells deduplicated by their text); a merged cell, which python-docx gives
+    once per grid column it spans, must still appear once."""
+    import docx
+    document = docx.Document()
+    table = document.add_table(rows=2, cols=3)
+    for cell in table.rows[0].cells:
+        cell.text = "0"
+    merged = table.cell(1, 0).merge(table.cell(1, 1))
+    merged.text = "wide"
+    table.cell(1, 2).text = "narrow"
+    document.save(tmp_path / "t.docx")
+    assert read(tmp_path / "t.docx").splitlines() == ["0 | 0 | 0", "wide | narrow"]
