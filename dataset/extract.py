@@ -63,6 +63,7 @@ class Extracted:
 
     documents: list[Document]
     pages: int = 0
+    pages_without_text: tuple[int, ...] = ()  # PDF pages (1-based) with no text layer: images, read as nothing
 
 
 def file_format(path: Path) -> str | None:
@@ -212,6 +213,9 @@ def join_wrapped_lines(lines: list[str]) -> str:
     return out
 
 
+PAGE_TEXT_MIN = 20  # characters: a page with less text than this has no text layer to speak of (an image)
+
+
 def read_pdf(path: Path, encoding: str | None = None) -> Extracted:
     pdfium = library("pdf")
     try:
@@ -235,10 +239,14 @@ def read_pdf(path: Path, encoding: str | None = None) -> Extracted:
         pdf.close()
     if not pages:
         raise Unreadable("a PDF with no pages")
-    if sum(len(x) for lines in pages for x in lines) < 20 * len(pages):
-        raise Unreadable(f"no text layer ({len(pages)} pages of images: a scan? run OCR first, e.g. ocrmypdf)")
+    # Judged page by page, not on the file's average: a few image pages in a text PDF are counted and named
+    # (Extracted.pages_without_text), a file that is mostly images is a scan
+    textless = tuple(i for i, lines in enumerate(pages, 1) if sum(map(len, lines)) < PAGE_TEXT_MIN)
+    if 2 * len(textless) > len(pages):
+        raise Unreadable(f"no text layer on {len(textless)} of {len(pages)} pages (images: a scan? run OCR first, "
+                         "e.g. ocrmypdf)")
     lines = [x for page in strip_page_furniture(pages) for x in page]
-    return Extracted([Document(join_wrapped_lines(lines), str(path))], pages=len(pages))
+    return Extracted([Document(join_wrapped_lines(lines), str(path))], pages=len(pages), pages_without_text=textless)
 
 
 # ----------------------------------------------------------------------------------------------------- EPUB

@@ -181,6 +181,7 @@ class FormatStats:
     skipped: int = 0
     bytes: int = 0
     pages: int = 0
+    pages_without_text: int = 0
     documents: int = 0
     chars: int = 0
     seconds: float = 0.0
@@ -199,6 +200,7 @@ class IngestStats:
     formats: dict[str, FormatStats] = field(default_factory=lambda: defaultdict(FormatStats))
     unsupported: Counter = field(default_factory=Counter)
     skipped: list[str] = field(default_factory=list)  # "file: reason"
+    textless_pages: list[str] = field(default_factory=list)  # "file: pages 3, 7" (PDF pages read as nothing)
     split_documents: int = 0
     languages: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     extract_s: float = 0.0
@@ -229,6 +231,13 @@ def _read(path: Path, opts: IngestOptions, stats: IngestStats, bad_lines: SkipRe
     fs.read += 1
     fs.bytes += size
     fs.pages += extracted.pages
+    if extracted.pages_without_text:
+        fs.pages_without_text += len(extracted.pages_without_text)
+        named = f"{path}: page{'s' if len(extracted.pages_without_text) > 1 else ''} " + ", ".join(
+            map(str, extracted.pages_without_text))
+        stats.textless_pages.append(named)
+        warn(f"{named} of {extracted.pages} have no text layer (images: their text is not read; OCR the file to "
+             "keep it)")
     fs.documents += len(extracted.documents)
     fs.chars += sum(len(d.text) for d in extracted.documents)
     return extracted
@@ -317,6 +326,7 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
         "by_format": {fmt: fs.summary() for fmt, fs in sorted(stats.formats.items())},
         "other_types": dict(sorted(stats.unsupported.items())),
         "skipped": stats.skipped,
+        "pages_without_text": stats.textless_pages,
         "bad_lines": {"total": bad_lines.total, "reasons": dict(bad_lines.counts), "first": bad_lines.examples},
         "records": {"from_documents": clean_stats.records, "kept": clean_stats.kept,
                     "documents_split": stats.split_documents},
@@ -347,6 +357,8 @@ def format_report(report: dict[str, Any]) -> str:
                     f"{speed}{pages}")
     if report["other_types"]:
         rows.append("  other types (not read): " + ", ".join(f"{k} {n:,}" for k, n in report["other_types"].items()))
+    if report["pages_without_text"]:
+        rows.append(f"  PDF pages without text (not read): {'; '.join(report['pages_without_text'])}")
     if report["bad_lines"]["total"]:
         rows.append(f"  bad JSONL lines skipped: {report['bad_lines']['total']:,} "
                     f"({'; '.join(report['bad_lines']['first'])})")

@@ -158,7 +158,7 @@ def broken_files(tmp_path) -> dict[str, str]:
     good_pdf = demo.render_pdf(PAGES, "cape")
     files = {
         "encrypted.pdf": (encrypted_pdf(), r"encrypted: needs a password"),
-        "scanned.pdf": (scanned_pdf(), r"no text layer \(2 pages of images"),
+        "scanned.pdf": (scanned_pdf(), r"no text layer on 2 of 2 pages \(images"),
         "truncated.pdf": (good_pdf[:len(good_pdf) // 2], r"not a readable PDF, damaged or truncated"),
         "truncated.epub": (good_epub[:len(good_epub) // 2], r"broken archive: not a readable EPUB"),
         "truncated.docx": (good_docx[:len(good_docx) // 2], r"broken archive: not a readable Word"),
@@ -391,3 +391,45 @@ def test_a_docx_table_keeps_cells_that_read_alike_and_a_merged_cell_once(tmp_pat
     table.cell(1, 2).text = "narrow"
     document.save(tmp_path / "t.docx")
     assert read(tmp_path / "t.docx").splitlines() == ["0 | 0 | 0", "wide | narrow"]
+
+
+SENTENCES = ["Fjords cut deep into the western coast.", "Glaciers carved these valleys slowly.",
+             "Herring once filled the northern seas.", "Lighthouses guided ships past reefs."]
+
+
+def pdf_of_pages(kinds: str) -> bytes:
+    """A PDF with a page per letter of `kinds`: t a page of text, i a page that is only an image."""
+    from fpdf import FPDF
+    from PIL import Image
+
+    pdf = FPDF()
+    pdf.set_font("helvetica", size=12)
+    for n, kind in enumerate(kinds, 1):
+        pdf.add_page()
+        if kind == "t":
+            # a sentence of its own per page: a line that recurs on most pages is running furniture, dropped
+            pdf.multi_cell(0, 8, SENTENCES[n - 1])
+        else:
+            pdf.image(Image.new("RGB", (200, 100), "white"), x=10, y=10, w=100)
+    return bytes(pdf.output())
+
+
+def test_image_pages_inside_a_text_pdf_are_counted_and_named(tmp_path):
+    """The scan check once averaged over the file: a text PDF's image-only pages vanished uncounted. Now each page
+    is judged: the text is kept and the pages without text are named in the report; a mostly-image file is a
+    scan."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "mixed.pdf").write_bytes(pdf_of_pages("ttit"))
+    (tmp_path / "docs" / "scan.pdf").write_bytes(pdf_of_pages("itii"))
+    warnings = []
+    report = ingest([str(tmp_path / "docs")], tmp_path / "out.jsonl", IngestOptions(min_chars=10), progress=False,
+                    warn=warnings.append)
+    mixed = str(tmp_path / "docs" / "mixed.pdf")
+    assert report["pages_without_text"] == [f"{mixed}: page 3"]
+    assert report["by_format"]["pdf"]["pages_without_text"] == 1 and report["by_format"]["pdf"]["pages"] == 4
+    assert any(w.startswith(f"{mixed}: page 3 of 4 have no text layer") for w in warnings)
+    assert [s for s in report["skipped"] if "scan.pdf" in s] == [
+        f"{tmp_path / 'docs' / 'scan.pdf'}: no text layer on 3 of 4 pages (images: a scan? run OCR first, e.g. "
+        "ocrmypdf)"]
+    kept = (tmp_path / "out.jsonl").read_text()
+    assert "Fjords cut deep" in kept and "Lighthouses guided ships" in kept
