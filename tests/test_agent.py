@@ -210,3 +210,21 @@ def test_prompts_offering_bad_or_unknown_tools_stop_naming_the_line(tmp_path, to
     data = PromptDataset(write_jsonl(tmp_path / "ok.jsonl", [good, {"prompt": "What is 1 + 1?", "answer": "2"}]),
                          tokenizer, 1024)
     assert [list(t) for t in offered_tools(data)] == [["calculator"], list(BUNDLED)]  # no tools offered: all
+
+
+def test_a_row_never_outgrows_max_len_when_a_tools_result_does_not_fit(monkeypatch, tokenizer, model):
+    """Overflow was judged before the tools' results were appended, so a long result made a row longer than
+    max_len (past the context the model was built for). A result that does not fit ends the rollout unanswered,
+    the row as it was before it."""
+    from common.tools import Tool
+    long = {"lookup": Tool("lookup", "Look up", {"term": ("string", "")}, lambda term: {"result": "word " * 300})}
+    prompt = tokenizer.chat_prompt(prompt_messages())
+    max_new_tokens = 64
+    max_len = len(prompt) + max_new_tokens + 20  # the reply fits, its 300-word result does not
+    out, _, _ = rollout(monkeypatch, tokenizer, [call("lookup", term="x"), "The answer is 5."], model,
+                        tools=(long,), max_new_tokens=max_new_tokens, max_len=max_len)
+    use = out.uses[0]
+    inputs, targets, _ = out.rows.unpacked(0)
+    assert len(inputs) + 1 <= max_len
+    assert use.overflow and not use.answered and use.calls == 1 and out.finals == [""]
+    assert [m["role"] for m in use.turns] == ["assistant"]  # the result that did not fit is not in the row

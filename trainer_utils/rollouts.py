@@ -244,7 +244,8 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     turn with well-formed calls has them run by `tools[prompt]` (the tools its prompt offers: common/tools.py, the
     model's text never evaluated), their results appended as the template writes them, and goes on; any other
     reply ends its rollout. At most `max_rounds` rounds of calls run (a reply still calling after them is
-    `capped`), and a rollout stops when its next reply might not fit in `max_len` tokens (`overflow`).
+    `capped`), and a rollout stops when its tools' results or its next reply might not fit in `max_len` tokens
+    (`overflow`): no row is ever longer than max_len.
 
     The tokens are appended as sampled, never re-encoded, so the training row is exactly what the policy saw.
     Only the replies' tokens are targets (their end-of-turn included); the prompt, the results and the template's
@@ -292,8 +293,11 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
             use.calls += len(results)
             use.errors += sum("error" in json.loads(result) for result in results)
             messages = [{"role": "tool", "content": result} for result in results]
-            use.turns += messages
             observed = codec.tool_results(messages)
+            if len(prompts[owner[r]]) + len(row.ids) + len(observed) > max_len:
+                use.overflow = True  # the results do not fit: the row stays within max_len, unanswered
+                continue
+            use.turns += messages
             row.ids += observed
             row.policy += [False] * len(observed)
             row.log_probs += [0.0] * len(observed)
