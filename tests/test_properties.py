@@ -13,8 +13,12 @@ import os
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from common.errors import ConfigError
+from common.tool_calls import parse_reply
 from common.tools import BUNDLED, ToolCall, ToolError, calculator, run_tool
 from dataset.ingest import split_document
+from dataset.tokenizer import chat_turns
+from trainer_utils.budget import count_due, parse_duration
 
 settings.register_profile("default", max_examples=60, deadline=None)
 settings.register_profile("thorough", max_examples=2000, deadline=None)
@@ -93,3 +97,63 @@ def test_every_bundled_tool_answers_any_call_with_a_json_object(call):
     name, arguments = call
     answer = json.loads(run_tool(ToolCall(name, arguments)), parse_constant=reject_non_json)
     assert isinstance(answer, dict) and answer
+
+
+@given(hours=st.integers(0, 48), minutes=st.integers(0, 59), seconds=st.integers(0, 59),
+       parts=st.sets(st.sampled_from("hms"), min_size=1), upper=st.booleans())
+def test_a_duration_is_the_sum_of_its_parts(hours, minutes, seconds, parts, upper):
+    """'1h30m', '90s', '2H5S' ...: the parts written, added up by hand; zero is refused."""
+    values = {"h": hours, "m": minutes, "s": seconds}
+    text = "".join(f"{values[u]}{u}" for u in "hms" if u in parts)
+    text = text.upper() if upper else text
+    expected = sum(values[u] * {"h": 3600, "m": 60, "s": 1}[u] for u in parts)
+    if expected == 0:
+        try:
+            parse_duration(text)
+        except ConfigError:
+            return
+        raise AssertionError(f"{text!r} parsed as a budget")
+    assert parse_duration(text) == expected
+
+
+@given(st.text(max_size=12))
+@example("1h-30m")
+@example("nan")
+def test_any_text_is_a_duration_or_a_config_error(text):
+    try:
+        seconds = parse_duration(text)
+    except ConfigError:
+        return
+    assert 0 < seconds < float("inf")
+
+
+@given(after=st.integers(0, 300), length=st.integers(0, 300), interval=st.integers(1, 50))
+def test_count_due_counts_what_a_loop_over_the_steps_counts(after, length, interval):
+    """The steps after+1 .. end that are a multiple of the interval, or the last: counted one by one."""
+    end = after + length
+    assert count_due(after, end, interval) == sum(1 for k in range(after + 1, end + 1) if k % interval == 0 or k == end)
+
+
+# Text that is not markup: the template's own tags are what the reader looks for.
+PLAIN = st.text(st.characters(blacklist_characters="<>", blacklist_categories=("Cs", "Cc")), max_size=40)
+ARGUMENT = st.one_of(st.integers(-10**6, 10**6), st.booleans(), PLAIN, st.floats(allow_nan=False,
+                                                                                  allow_infinity=False))
+CALLS = st.lists(st.fixed_dictionaries({"name": st.from_regex(r"[a-z][a-z_]{0,15}", fullmatch=True),
+                                        "arguments": st.dictionaries(st.from_regex(r"[a-z]{1,8}", fullmatch=True),
+                                                                     ARGUMENT, max_size=3)}), max_size=3)
+
+
+@given(content=PLAIN, reasoning=st.none() | PLAIN, calls=CALLS)
+def test_an_assistant_turn_reads_back_as_the_chat_template_wrote_it(content, reasoning, calls):
+    """The template writes <think>, content and <tool_call> blocks (dataset/tokenizer.py); the reply reader
+    (common/tool_calls.py) must give back the same reasoning, content and calls, in order."""
+    message = {"role": "assistant", "content": content, "tool_calls": calls}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    role, body, _ = chat_turns([message])[-1]
+    reply = parse_reply(body)
+    assert role == "assistant" and reply.malformed == ()
+    assert reply.content.strip() == content.strip()
+    assert [(c.name, c.arguments) for c in reply.calls] == [(c["name"], c["arguments"]) for c in calls]
+    if reasoning is not None:
+        assert reply.reasoning is not None and reply.reasoning.strip() == reasoning.strip()
