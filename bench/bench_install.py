@@ -30,9 +30,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# common.device imports torch: this runs in the project's environment, as the other benchmarks do
+from common.device import cpu_description  # noqa: E402
+
 INDEX = "https://pypi.org/simple"
 
 
@@ -46,6 +51,7 @@ def public_pip_env() -> dict[str, str]:
     return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
+@lru_cache(maxsize=None)  # torch's page lists every file of every release: fetched once, not once per file
 def index_files(name: str) -> list[dict]:
     """A project's files on the index, with their sizes (PEP 691 JSON)."""
     request = urllib.request.Request(f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
@@ -122,18 +128,6 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def cpu_kind() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-    flags = set(re.search(r"^flags\s*:\s*(.+)$", text, re.M).group(1).split()) if "flags" in text else set()
-    bf16 = "native bf16 (" + ", ".join(sorted(flags & {"avx512_bf16", "amx_bf16"})) + ")" \
-        if flags & {"avx512_bf16", "amx_bf16"} else "AVX2 only, no native bf16"
-    return f"{os.cpu_count()}-core {model.group(1) if model else platform.machine()}, {bf16}"
-
-
 def run_summary(run_dir: Path) -> dict | None:
     """A demo run's steps, its last validation losses and its median training throughput (metrics.jsonl)."""
     path = run_dir / "metrics.jsonl"
@@ -183,7 +177,8 @@ def fresh_install(targets: list[str], python: str, make_args: list[str]) -> dict
     pip_config = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
     version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
                              capture_output=True, text=True).stdout.strip()
-    return {"machine": cpu_kind(), "python": python, "python_version": version, "make_args": make_args,
+    return {"machine": f"{os.cpu_count()}-core {cpu_description()}", "python": python, "python_version": version,
+            "make_args": make_args,
             "pip_find_links_configured": bool(os.environ.get("PIP_FIND_LINKS")) or "find-links" in pip_config,
             "targets": results}
 

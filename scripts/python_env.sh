@@ -25,6 +25,7 @@ sys.exit(0 if sys.prefix != getattr(sys, "base_prefix", sys.prefix) or hasattr(s
          or os.path.isdir(os.path.join(sys.prefix, "conda-meta")) else 1)'
 OLD_ENOUGH="import sys; sys.exit(0 if sys.version_info >= ($FLOOR_MAJOR, $FLOOR_MINOR) else 1)"
 VERSION='import platform; print(platform.python_version())'
+MINOR='import sys; print("%d.%d" % sys.version_info[:2])'
 
 chosen() {
   if "$py" -c "$IN_ENV" >/dev/null 2>&1; then echo "$py"; else echo "$VENV/bin/python"; fi
@@ -60,7 +61,7 @@ make_venv() {
   too_old "$py"
   if ! "$py" -m venv "$VENV" >/dev/null 2>&1 || ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
     rm -rf "$VENV"  # a half-made environment (no pip) would be taken for a good one next time
-    version=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    version=$("$py" -c "$MINOR")
     if [ -f /etc/debian_version ]; then
       fix="sudo apt install python$version-venv (Debian and Ubuntu ship venv and ensurepip apart), then make again"
     else
@@ -93,8 +94,8 @@ case "$mode" in
       "$target" -c "$OLD_ENOUGH" >/dev/null 2>&1 \
         || fail "$VENV has Python $("$target" -c "$VERSION"); PocketLM needs $FLOOR or newer: rm -rf $VENV and make again with a newer one (make demo PYTHON=python3.12)"
       note=""
-      mine=$("$target" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-      theirs=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo "$mine")
+      mine=$("$target" -c "$MINOR")
+      theirs=$("$py" -c "$MINOR" 2>/dev/null || echo "$mine")
       [ "$target" != "$py" ] && [ "$mine" != "$theirs" ] \
         && note=", not $py's $theirs: rm -rf $VENV and make again to remake it from $py"
       echo "make: using $VENV (Python $("$target" -c "$VERSION")$note); to run the scripts yourself: . $VENV/bin/activate"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,7 @@ def flag_problems(entry: str, rest: list[str], entry_flags: dict[str, set[str]])
     return problems
 
 
+@lru_cache(maxsize=1)  # the recipes are read once, not once per command line
 def recipe_data_files() -> dict[str, str]:
     """{file name: the path the recipes give it} for the data files the recipes train on (dataset/...)."""
     found = {}
