@@ -93,7 +93,7 @@ def calculator(expression: str) -> dict[str, Any]:
         raise ToolError(f"expression longer than {MAX_EXPRESSION} characters")
     try:
         tree = ast.parse(text, mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError):  # ValueError: a NUL byte, which the parser refuses outright
         raise ToolError(f"not an arithmetic expression: {expression!r}") from None
     return {"result": tidy(_evaluate(tree.body))}
 

@@ -1,8 +1,9 @@
 """Properties that must hold for any input, checked on inputs Hypothesis generates (and shrinks to the smallest
 that fails): where the input space is too large for tests by example.
 
-The default profile keeps each property to a few dozen examples so the suite stays fast;
-`HYPOTHESIS_PROFILE=thorough` runs many more.
+The default profile keeps each property to a few dozen examples so the suite stays fast, and draws them the same
+way on every run (derandomized: a red CI run is the code's, never the draw's); `HYPOTHESIS_PROFILE=thorough` runs
+many more, freshly drawn, to look for new failures (which then become @example cases here).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataset.ingest import split_document
 from dataset.tokenizer import chat_turns
 from trainer_utils.budget import count_due, parse_duration
 
-settings.register_profile("default", max_examples=60, deadline=None)
+settings.register_profile("default", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
@@ -64,6 +65,7 @@ EXPRESSION = st.one_of(
 @given(EXPRESSION)
 @example("1e6**64")  # float overflow inside the limits on base and exponent: once an OverflowError escaped
 @example("1e400")  # a constant that is already infinite
+@example("\x00")  # a NUL byte: the parser raised ValueError, not SyntaxError (found by a freshly drawn run)
 def test_the_calculator_gives_a_finite_number_or_a_tool_error(expression):
     try:
         result = calculator(expression)
