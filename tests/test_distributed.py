@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from model import load_model
+from trainer_utils.checkpoint import latest_checkpoint
 
-from conftest import ROOT, cli_flags, read_metrics, wait_for_metrics
+from conftest import ROOT, cli_flags, read_metrics, strict_records, wait_for_metrics
 
 pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out
 
@@ -286,3 +287,18 @@ def test_a_time_budget_is_one_plan_for_every_rank(corpus, tmp_path):
     assert (plan["steps"], plan["limit"]) == (12, 12) and plan["check_every"] < 12  # the guard ran, on both ranks
     a, b = losses(tmp_path / "single"), losses(tmp_path / "ddp")
     assert len(a) == len(b) == 12 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+
+
+def test_a_time_budget_below_max_steps_ends_every_rank_at_the_same_step(corpus, tmp_path):
+    """Here the budget decides, not --max_steps: the probe's costs and the guard's numbers come from real clocks
+    that differ between ranks, and rank 0 alone continues the sample prompts at each evaluation. A rank that
+    planned or re-planned from its own numbers would end at another step and leave the other waiting in a
+    collective (the 30 s --dist_timeout makes that a failure). The run ends, every rank at the planned step."""
+    res = torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, max_steps=100_000, time_budget="30s",
+                           eval_interval=20, save_interval=40, log_interval=10, dist_timeout=30))
+    plan = json.loads((tmp_path / "ddp" / "train_config.json").read_text())["resolved"]["time_budget"]
+    assert plan["steps"] < plan["limit"] == 100_000
+    last = read_metrics(tmp_path / "ddp")[-1]["step"]
+    replans = [r for r in strict_records(tmp_path / "ddp") if r.get("event") == "time_budget"]
+    assert last == (replans[-1]["steps"] if replans else plan["steps"]), res.stderr[-2000:]
+    assert latest_checkpoint(tmp_path / "ddp").name.endswith(f"step_{last:08d}")

@@ -16,9 +16,12 @@ from model.inference import read_train_info
 from trainer_utils import budget as budget_mod
 from trainer_utils import loop as loop_mod
 from trainer_utils import metrics as metrics_mod
+from trainer_utils.backend import Backend, Comm
 from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
 from trainer_utils.checkpoint import latest_checkpoint
+from trainer_utils.components.evaluation import Evaluation
 from trainer_utils.optim import WarmupCosine
+from trainer_utils.session import Session
 from trainer_utils.stages import parse_train_config
 
 from conftest import ROOT, read_metrics, strict_records
@@ -113,18 +116,27 @@ class VirtualTime:
         return real_time.time()
 
 
-def virtual_clock(monkeypatch, step_cost) -> VirtualTime:
+def virtual_clock(monkeypatch, step_cost, *, eval_s: float = 0.0, save_s: float = 0.0, build_s: float = 0.0,
+                  age_s: float = 0.0) -> VirtualTime:
+    """Each optimizer step costs step_cost(step) virtual seconds; an evaluation round eval_s, a checkpoint save_s,
+    building a model build_s; the process was age_s old when main() began (the interpreter and imports)."""
     clock = VirtualTime()
     for module in (loop_mod, metrics_mod, budget_mod):
         monkeypatch.setattr(module, "time", clock)
-    monkeypatch.setattr(loop_mod, "process_age", lambda: 0.0)  # the budget starts with the test's main() call
+    monkeypatch.setattr(loop_mod, "process_age", lambda: age_s)
+
+    def costs(seconds, real):
+        def charged(*args, **kwargs):
+            clock.now += seconds
+            return real(*args, **kwargs)
+        return charged
+
     real_step = loop_mod.Trainer._optimizer_step
-
-    def step(self, feeder):
-        clock.now += step_cost(self.state.step + 1)  # the step's time passes while it runs
-        real_step(self, feeder)
-
-    monkeypatch.setattr(loop_mod.Trainer, "_optimizer_step", step)
+    monkeypatch.setattr(loop_mod.Trainer, "_optimizer_step",  # the step's time passes while it runs
+                        lambda self, feeder: costs(step_cost(self.state.step + 1), real_step)(self, feeder))
+    monkeypatch.setattr(Evaluation, "evaluate", costs(eval_s, Evaluation.evaluate))
+    monkeypatch.setattr(loop_mod, "save_checkpoint", costs(save_s, loop_mod.save_checkpoint))
+    monkeypatch.setattr(Session, "build_model", costs(build_s, Session.build_model))
     return clock
 
 
@@ -154,6 +166,30 @@ def test_a_budget_run_trains_exactly_as_max_steps_of_its_plan(corpus, tmp_path, 
     assert not (tmp_path / "budget" / budget_mod.PROBE_DIR_NAME).exists()  # the probe's scratch checkpoint
 
 
+def test_the_plan_counts_everything_the_run_pays_and_ends_in_its_band(corpus, tmp_path, monkeypatch):
+    """Every cost the run pays is virtual here: the process's age, building each model, an --init_from model's
+    baseline evaluation, evaluations and checkpoints. A plan that counts them all ends the run inside [LOW, HIGH]
+    of the budget on a steady machine, with no re-plan to rescue it."""
+    virtual_clock(monkeypatch, lambda step: 1.0)
+    assert train_pretrain.main(flags(corpus, tmp_path, "base", max_steps=2)) == 0  # what --init_from starts from
+    monkeypatch.undo()
+    clock = virtual_clock(monkeypatch, lambda step: 1.0, eval_s=2.0, save_s=1.0, build_s=3.0, age_s=5.0)
+    began = clock.now - 5.0
+    init = {"init_from": str(tmp_path / "base"), "preset": None}
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "run", **init)) == 0
+    plan = resolved(tmp_path / "run")["time_budget"]
+    # by hand: when the plan is made, 16 s are spent: the age 5, the probe's model 3, its baseline evaluation 2,
+    # a warm-up step 1, two timed steps 2, a checkpoint 1, an evaluation 2. The run will pay 5 more before its first
+    # step (its model, its baseline). 0.97 * 40 - 21 = 17.8 s: 11 steps + 2 evaluations (10, 11) + 2 checkpoints =
+    # 17 s fit; 12 steps would take 18.
+    assert (plan["setup_s"], plan["start_s"], plan["eval_s"], plan["save_s"]) == (16.0, 5.0, 2.0, 1.0)
+    assert plan["steps"] == 11
+    assert not [r for r in strict_records(tmp_path / "run") if r.get("event") == "time_budget"]  # no re-plan
+    assert read_train_info(latest_checkpoint(tmp_path / "run"))["time_budget"]["replans"] == []
+    spent = clock.now - began  # 16 + 5 + 11 + 4 + 2 = 38 s
+    assert budget_mod.LOW * 40 <= spent <= budget_mod.HIGH * 40 and spent == 38.0
+
+
 def test_resume_continues_the_recorded_plan_bit_exactly(corpus, tmp_path, monkeypatch):
     virtual_clock(monkeypatch, lambda step: 1.0)
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "straight")) == 0
@@ -170,6 +206,28 @@ def test_resume_continues_the_recorded_plan_bit_exactly(corpus, tmp_path, monkey
     assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == list(range(1, 36))
     # another budget than the plan's is refused
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed", resume=True, time_budget="1h")) == 2
+
+
+def test_resume_after_a_replan_continues_it_bit_exactly(corpus, tmp_path, monkeypatch):
+    def slower(step):
+        return 1.0 if step < 10 else 3.0
+
+    virtual_clock(monkeypatch, slower, eval_s=0.5, save_s=0.25)
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "straight")) == 0
+    events = [r for r in strict_records(tmp_path / "straight") if r.get("event") == "time_budget"]
+    assert events and events[0]["steps"] < 35  # re-planned shorter, then trained to the new end
+    stop_at(monkeypatch, events[0]["step"] + 2)  # stopped after the re-plan
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed")) == 0
+    assert read_train_info(latest_checkpoint(tmp_path / "resumed"))["time_budget"]["replans"]
+    monkeypatch.undo()
+    virtual_clock(monkeypatch, slower, eval_s=0.5, save_s=0.25)
+    monkeypatch.setattr(loop_mod.Trainer, "probe", lambda *a: pytest.fail("a resumed plan is not measured again"))
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed", resume=True)) == 0
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [(m["step"], m["loss"], m["lr"]) for m in a] == [(m["step"], m["loss"], m["lr"]) for m in b]
+    assert a[-1]["lr"] == pytest.approx(1e-4)  # the re-planned decay completed
+    wa, wb = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_a_run_without_a_budget_is_not_resumed_with_one(corpus, tmp_path, capsys):
@@ -200,11 +258,38 @@ def test_a_slower_or_faster_machine_is_replanned_to_end_within_the_budget(corpus
     assert plan["replans"] and plan["replans"][-1]["steps"] == last["step"]
 
 
+def test_a_replan_that_stops_now_makes_this_step_the_last_with_its_evaluation_and_checkpoint(corpus, tmp_path,
+                                                                                              monkeypatch):
+    virtual_clock(monkeypatch, lambda step: 25.0 if step == 9 else 1.0)  # step 9 hangs for 25 s: 36 s spent
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "run")) == 0
+    [event] = [r for r in strict_records(tmp_path / "run") if r.get("event") == "time_budget"]
+    assert (event["step"], event["planned_steps"], event["steps"]) == (9, 35, 9)
+    assert [r["step"] for r in strict_records(tmp_path / "run") if "val_loss" in r] == [9]  # not a multiple of 10
+    assert latest_checkpoint(tmp_path / "run").name.endswith("step_00000009")
+
+
 def test_the_plan_refuses_a_budget_setting_up_already_spent(corpus, tmp_path, monkeypatch, capsys):
     virtual_clock(monkeypatch, lambda step: 10.0)
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "run", time_budget="30s")) == 1
     err = capsys.readouterr().err
     assert "error: --time_budget 30.0s leaves no time to train" in err, err
+
+
+def test_every_rank_plans_with_the_slowest_ranks_costs():
+    """Ranks wait for each other at every collective: what rank 0 alone spends (its samples at an evaluation, its
+    share of a checkpoint) every rank pays, so a plan counts the slowest rank's seconds, not their mean."""
+    theirs = [0.5, 4.0]  # rank 0's step and evaluation round
+
+    class SecondOfTwo(Comm):
+        rank, world_size = 1, 2
+
+        def all_reduce_sum(self, tensor):  # what the collective adds: rank 0's row
+            other = torch.zeros_like(tensor)
+            other[0] = torch.tensor(theirs, dtype=tensor.dtype)
+            return tensor + other
+
+    backend = Backend(SecondOfTwo(), torch.device("cpu"), None)
+    assert backend.slowest([0.625, 0.25]) == [0.625, 4.0]
 
 
 def test_the_probe_times_a_few_steps_within_a_share_of_the_budget():

@@ -6,7 +6,7 @@ turning losses into weight updates. The loop calls only:
     wrap(model, build_optimizer) -> (module to run forward, optimizer)     no_sync(model): accumulation
     backward(loss)                                          step() -> (grad_norm, applied) as device tensors
     save_state(dir) -> small state for training_state.pt    restore_state(dir, state)
-    all_reduce_sum(t)   barrier()   close()                 rank, world_size, is_main, device, precision
+    all_reduce_sum(t)   slowest(seconds)   barrier()   close()   rank, world_size, is_main, device, precision
     set_precision(p) when can_switch_precision              (precision fallback, before a re-wrap)
 
 TorchBackend (here) is plain autograd, one process or DDP; DeepSpeedBackend (distributed.py) drives a ZeRO
@@ -66,6 +66,14 @@ class Backend:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce_sum(tensor)
+
+    def slowest(self, seconds: list[float]) -> list[float]:
+        """Each of `seconds` as the slowest rank measured it, the same on every rank: ranks wait for each other at
+        the next collective, so what one rank spends alone (rank 0's samples, its checkpoint) every rank pays.
+        One all-reduce of a table with a row per rank, each rank filling its own."""
+        table = torch.zeros(self.world_size, len(seconds), device=self.device, dtype=torch.float64)
+        table[self.rank] = torch.tensor(seconds, dtype=torch.float64)
+        return self.all_reduce_sum(table).amax(0).tolist()
 
     # Whether set_precision works mid-run (a DeepSpeed engine fixes its precision when it is built).
     can_switch_precision: bool = True

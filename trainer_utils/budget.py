@@ -1,11 +1,15 @@
 """Training to a time budget (--time_budget 10m): how many optimizer steps fit, decided once from measured costs.
 
-Before the first step, the run is probed (loop.py Trainer.probe: a throwaway Trainer takes a warm-up step, a few
-timed steps, one evaluation round and one checkpoint, exactly as the run will); the budget's clock starts when
-the script does, so setting up (tokenizing, building the model, the probe) is paid from it. The plan is then the
-most steps whose time, with every evaluation and checkpoint they bring, ends the run at TARGET of the budget:
+Before the first step, the run is probed (loop.py Trainer.probe: a throwaway Trainer is built, does what the
+run does before its first step, takes a warm-up step, a few timed steps, one evaluation round and one checkpoint,
+exactly as the run will); the budget's clock starts when the process does, so setting up (the interpreter,
+tokenizing, the probe) is paid from it. What the run pays after the plan is made is planned too: building its own
+Trainer again (a GRPO run's reference model included) and what it does before its first step (the baseline
+evaluation of an --init_from model). The plan is then the most steps whose time, with every evaluation and
+checkpoint they bring, ends the run at TARGET of the budget:
 
-    steps * step_s + evaluations(steps) * eval_s + checkpoints(steps) * save_s  <=  TARGET * budget - spent
+    start_s + first_extra_s + steps * step_s + evaluations(steps) * eval_s + checkpoints(steps) * save_s
+        <=  TARGET * budget - spent
 
 and the learning-rate schedule (warm-up, cosine to the minimum) is laid over exactly those steps, so a budget run
 that plans N steps trains as `--max_steps N` does, bit for bit. --max_steps and --epochs stay upper bounds.
@@ -16,7 +20,8 @@ and the projection leaves [LOW, HIGH] of the budget, the run is re-planned from 
 schedule is stretched or compressed so the decay still completes at the new last step (optim.py
 WarmupCosine.replan), and the change is logged. The plan and its re-plans are saved in every checkpoint
 (train_info.json): --resume continues them, measuring nothing again, so resume stays bit-exact; every rank of a
-distributed run decides from the same all-reduced numbers.
+distributed run decides from the same numbers: the slowest rank's (ranks wait for each other at every collective,
+so a rank-0-only evaluation such as the samples costs every rank its time).
 """
 from __future__ import annotations
 
@@ -75,13 +80,14 @@ def count_due(after: int, end: int, interval: int) -> int:
 
 @dataclass
 class Costs:
-    """What the probe measured, in seconds (averaged over ranks)."""
+    """What the probe measured, in seconds (the slowest rank's)."""
 
     step_s: float  # a steady optimizer step (the median of the timed ones)
     first_extra_s: float  # what the first step took beyond a steady one (allocation, compilation)
     eval_s: float  # one evaluation round: every component that runs at an evaluation step
     save_s: float  # one checkpoint (0 with --no-checkpoints)
     timed_steps: int  # steps the median is of
+    start_s: float = 0.0  # building the run's Trainer and what it does before its first step
 
 
 @dataclass
@@ -97,9 +103,10 @@ class BudgetPlan:
     save_s: float
     eval_interval: int
     save_interval: int  # a huge number with --no-checkpoints: the cost is 0 then anyway
-    setup_s: float  # seconds spent before the first planned step (setup and the probe)
+    setup_s: float  # seconds spent when the plan was made (the process's start, setting up, the probe)
     check_every: int  # steps between the guard's looks at the clock
     timed_steps: int = 0
+    start_s: float = 0.0  # then building the run's Trainer and what it does before its first step
     replans: list[dict[str, Any]] = field(default_factory=list)  # {"step", "steps", "step_s", "spent_s"}
     used_s: float = 0.0  # seconds of the budget spent when the last checkpoint was written
 
@@ -109,9 +116,13 @@ class BudgetPlan:
         return self.replans[-1]["steps"] if self.replans else self.steps
 
     def time_for(self, after: int, end: int, step_s: float) -> float:
-        """Seconds from step `after` to the end of step `end`, with the evaluations and checkpoints due in them."""
-        return ((end - after) * step_s + count_due(after, end, self.eval_interval) * self.eval_s
-                + count_due(after, end, self.save_interval) * self.save_s)
+        """Seconds from step `after` to the end of step `end`, with the evaluations and checkpoints due in them.
+        Step `after`'s own evaluation and checkpoint, when due (with `end` the last step), are still to come: the
+        guard looks at the clock before them (its component runs first), and ending at `after` itself makes them
+        due. Step 0 has none."""
+        first = max(after - 1, 0)
+        return ((end - after) * step_s + count_due(first, end, self.eval_interval) * self.eval_s
+                + count_due(first, end, self.save_interval) * self.save_s)
 
     def fit(self, seconds: float, after: int, step_s: float) -> int:
         """The last step (>= after, <= limit) that the run can reach within `seconds` from step `after`."""
@@ -130,12 +141,12 @@ class BudgetPlan:
         """The one line the run prints when it has planned."""
         evals = count_due(0, self.steps, self.eval_interval)
         saves = count_due(0, self.steps, self.save_interval) if self.save_s > 0 else 0
-        planned = self.setup_s + self.first_extra_s + self.time_for(0, self.steps, self.step_s)
+        planned = self.setup_s + self.start_s + self.first_extra_s + self.time_for(0, self.steps, self.step_s)
         why = "" if self.steps < self.limit else "; --max_steps / --epochs allow no more, so it ends early"
         return (f"time budget {format_duration(self.budget_s)}: {self.steps} steps at {self.step_s:.3g} s "
                 f"(measured over {self.timed_steps} steps after a warm-up), {evals} evaluation"
                 f"{'s' if evals != 1 else ''} at {self.eval_s:.3g} s, {saves} checkpoint{'s' if saves != 1 else ''} "
-                f"at {self.save_s:.3g} s, {format_duration(self.setup_s)} set-up: ends at about "
+                f"at {self.save_s:.3g} s, {format_duration(self.setup_s + self.start_s)} set-up: ends at about "
                 f"{format_duration(planned)}{why}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,13 +164,15 @@ def make_plan(budget_s: float, spent_s: float, costs: Costs, limit: int, eval_in
                       first_extra_s=costs.first_extra_s, eval_s=costs.eval_s,
                       save_s=costs.save_s if save_interval is not None else 0.0, eval_interval=eval_interval,
                       save_interval=save_interval or limit + 1, setup_s=spent_s, timed_steps=costs.timed_steps,
+                      start_s=costs.start_s,
                       check_every=max(1, int(CHECK_SHARE * budget_s / max(costs.step_s, 1e-9))))
-    left = TARGET * budget_s - spent_s - costs.first_extra_s
+    left = TARGET * budget_s - spent_s - costs.start_s - costs.first_extra_s
     plan.steps = plan.fit(left, 0, costs.step_s)
     if plan.steps < 1:
         one = plan.time_for(0, 1, costs.step_s) + costs.first_extra_s
-        raise TrainingError(f"--time_budget {format_duration(budget_s)} leaves no time to train: setting up took "
-                            f"{format_duration(spent_s)}, and one step with its evaluation and checkpoint takes "
+        raise TrainingError(f"--time_budget {format_duration(budget_s)} leaves no time to train: setting up takes "
+                            f"{format_duration(spent_s + costs.start_s)}, and one step with its evaluation and "
+                            f"checkpoint takes "
                             f"{format_duration(one)}; give a longer budget")
     return plan
 

@@ -314,15 +314,16 @@ class Trainer:
         return exit_code
 
     def _after_step(self) -> Stop | None:
-        """The components that are due, in order, until one says stop; then the checkpoint, when due."""
-        step, last, stop = self.state.step, self.total_steps, None
+        """The components that are due, in order, until one says stop; then the checkpoint, when due. The last
+        step is read afresh each time: a time budget's re-plan (the first component) may make this one the last."""
+        step, stop = self.state.step, None
         for component in self.components:
-            if component.due(step, last):
+            if component.due(step, self.total_steps):
                 with self.clock.pause() if component.pauses_clock else contextlib.nullcontext():
                     stop = component.run(self.ctx)
                 if stop is not None:
                     break
-        if stop.save if stop is not None else every(self.config.run.save_interval, step, last):
+        if stop.save if stop is not None else every(self.config.run.save_interval, step, self.total_steps):
             with self.clock.pause():
                 self.save()
         if stop is not None and stop.announce is not None:
@@ -377,17 +378,16 @@ class Trainer:
         for component in self.components:
             component.after_step(self.ctx, outcome)
 
-    def probe(self, budget_s: float) -> Costs:
-        """What this run's steps, evaluations and checkpoints cost, measured as fit() takes them, for a time
-        budget's plan (trainer_utils/budget.py): a warm-up step, a few timed steps, one checkpoint (into a scratch
-        directory, deleted after) and one evaluation round. The model trains on the way: discard this Trainer.
-        Every rank takes the same number of steps and gets the same, averaged, costs."""
+    def probe(self, budget_s: float, built_s: float) -> Costs:
+        """What this run costs, measured as fit() pays it, for a time budget's plan (trainer_utils/budget.py):
+        building a Trainer (built_s: this one took that), what fit() does before its first step (the components'
+        start: an --init_from model's baseline evaluation), a warm-up step, a few timed steps, one checkpoint (into a
+        scratch directory, deleted after) and one evaluation round. The model trains on the way: discard this
+        Trainer. Every rank takes the same number of steps and gets the same costs: the slowest rank's."""
         s, backend = self.session, self.backend
         self.logger = MetricsLogger(s.run_dir, False, 0, 0, {})  # the probe logs nothing
         feeder = StepFeeder(s.train_data, self.config.optim.batch_size, self.config.optim.accumulation_steps,
                             backend.rank, backend.world_size, 0, self.device)
-        mean = lambda values: (backend.all_reduce_sum(torch.tensor(  # noqa: E731
-            values, device=self.device, dtype=torch.float64)) / backend.world_size).tolist()
 
         def timed(work: Callable[[], Any]) -> float:
             synchronize(self.device)
@@ -398,7 +398,8 @@ class Trainer:
 
         self.model.train()
         try:
-            first_s = mean([timed(lambda: self._optimizer_step(feeder))])[0]
+            start_s = built_s + timed(lambda: [c.start(self.ctx) for c in self.components])
+            first_s = backend.slowest([timed(lambda: self._optimizer_step(feeder))])[0]
             steps = [timed(lambda: self._optimizer_step(feeder)) for _ in range(probe_count(first_s, budget_s))]
         finally:
             feeder.close()
@@ -413,9 +414,9 @@ class Trainer:
             backend.barrier()
             if backend.is_main:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
-        step_s, eval_s, save_s = mean([statistics.median(steps), eval_s, save_s])
+        step_s, eval_s, save_s, start_s = backend.slowest([statistics.median(steps), eval_s, save_s, start_s])
         return Costs(step_s=step_s, first_extra_s=max(0.0, first_s - step_s), eval_s=eval_s, save_s=save_s,
-                     timed_steps=len(steps))
+                     timed_steps=len(steps), start_s=start_s)
 
     def train_step(self, micro: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
         """Forward/backward every micro-batch, then one optimizer step; returns the summed loss (the objective's
@@ -478,9 +479,10 @@ def plan_budget(session: Session, clock: BudgetClock) -> BudgetPlan | None:
         raise ConfigError(f"--time_budget: {session.run_dir} was started without one; its steps are fixed (resume "
                           "it without --time_budget, or start a new run)")
     clock.spent_before = 0.0
+    t0 = time.perf_counter()
     probe = Trainer(session)
-    try:
-        costs, limit = probe.probe(budget_s), probe.step_limit
+    try:  # the run builds its Trainer again after the plan: as long as this one took
+        costs, limit = probe.probe(budget_s, time.perf_counter() - t0), probe.step_limit
     finally:
         del probe  # its model and optimizer must not coexist with the run's
         free_memory(session.device)

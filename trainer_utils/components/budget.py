@@ -2,14 +2,13 @@
 the end is projected from the measured step time (run() says which); when it leaves [LOW, HIGH] of the budget
 (the machine slowed down, or runs faster than the probe measured) the rest of the run is re-planned, the schedule
 laid over the new number of steps, and the change logged. A re-plan that leaves no step ends the run at once,
-with its evaluation and checkpoint. Ranks decide from the same all-reduced numbers. The re-plans are recorded in
-the plan itself, which every checkpoint carries (loop.py Trainer.save) and a resumed Trainer starts from.
+with its evaluation and checkpoint. Ranks decide from the same numbers, the slowest rank's. The re-plans are
+recorded in the plan itself, which every checkpoint carries (loop.py Trainer.save) and a resumed Trainer starts
+from.
 """
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from ..budget import PLAN_KEY, format_duration, projected, replan
 from ..context import RunContext, StepOutcome
@@ -54,10 +53,8 @@ class TimeBudgetGuard(Component):
         steady_s, recent_s = ((now - t) / (step - s) for t, s in (self.marks[0], self.since(now, window)))
         spent = self.clock.spent()
         self.marks.append((now, step))
-        if ctx.backend.world_size > 1:  # one decision: every rank's numbers averaged
-            mine = torch.tensor([steady_s, recent_s, spent, measured], device=ctx.device, dtype=torch.float64)
-            steady_s, recent_s, spent, measured = (ctx.backend.all_reduce_sum(mine)
-                                                   / ctx.backend.world_size).tolist()
+        # one decision on every rank: the slowest rank's numbers (the others wait for it anyway)
+        steady_s, recent_s, spent, measured = ctx.backend.slowest([steady_s, recent_s, spent, measured])
         cautious = max(steady_s, recent_s)
         if recent_s > SLOWER * steady_s and projected(plan, step, spent, recent_s) > plan.budget_s:
             step_s = cautious  # a slow-down: act now
