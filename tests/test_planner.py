@@ -7,11 +7,13 @@ import math
 import pytest
 import torch
 
+from common.device import choose_dtype
 from common.errors import DataError
 from model import __main__ as model_cli
 from model.config import get_preset
+from model.memory import estimate_memory
 from trainer_utils import planner
-from trainer_utils.planner import MAX_EPOCHS, TRAINING_SHARE, PresetRow, data_tokens
+from trainer_utils.planner import PresetRow, data_tokens
 
 from conftest import demo_records, write_jsonl
 
@@ -28,13 +30,13 @@ def test_the_table_of_tiny_presets_is_consistent(small_corpus):
     tiny, mini = rows
     assert (tiny.name, mini.name) == ("tiny", "mini-30m")  # cheapest step first
     assert tiny.speed_measured and not mini.speed_measured and not tiny.peak_measured  # CPU: memory estimated
-    assert tiny.tokens_per_s > mini.tokens_per_s and tiny.batch_size == mini.batch_size == planner.CPU_COMMAND_BATCH
+    assert tiny.tokens_per_s > mini.tokens_per_s and tiny.batch_size == mini.batch_size == 8  # all fit at 8
     n_data = data_tokens(small_corpus)
-    for r in rows:
-        assert r.budget_tokens == pytest.approx(r.tokens_per_s * TRAINING_SHARE * 60)
-        assert r.epochs == pytest.approx(r.budget_tokens / n_data)
-        assert r.trained_tokens == pytest.approx(min(r.budget_tokens, MAX_EPOCHS * n_data))
-    assert best is min(rows, key=lambda r: abs(math.log(r.tokens_per_parameter / 20)))
+    for r in rows:  # a minute: 54 s of it in steps
+        assert r.budget_tokens == pytest.approx(r.tokens_per_s * 54) and r.epochs == pytest.approx(
+            r.budget_tokens / n_data)
+    assert tiny.epochs > 4 and tiny.trained_tokens == pytest.approx(4 * n_data)  # 4 of its many epochs count
+    assert best is tiny  # the most tokens for each parameter, still far below 20
     assert "(estimated from its first" in header and "cpu" in header
     text = planner.table(rows, best)
     assert "(est.)" in text.splitlines()[3] and "⭐" in text
@@ -56,23 +58,52 @@ def test_bad_data_names_its_line(tmp_path):
         data_tokens(tmp_path / "missing.jsonl")
 
 
-def row(name, params, tps, n_data=None, fits=True):
+def row(name, params, tokens_per_parameter=None, fits=True, tps=1e3):
+    """A preset's row; tokens_per_parameter sets what it trains in the budget, by hand."""
     r = PresetRow(name, params, 8, 512, tps, True, 0, False, fits)
-    r.budget_tokens = tps * TRAINING_SHARE * 3600
-    r.trained_tokens = min(r.budget_tokens, MAX_EPOCHS * n_data) if n_data else r.budget_tokens
-    r.epochs = r.budget_tokens / n_data if n_data else None
+    if tokens_per_parameter is not None:
+        r.budget_tokens = r.trained_tokens = tokens_per_parameter * params
     return r
 
 
-def test_the_recommendation_follows_tokens_per_parameter():
-    rows = [row("a", 10e6, 60e3), row("b", 25e6, 30e3), row("c", 100e6, 8e3)]  # 19.4, 3.9, 0.26 tokens/param
-    best = min(rows, key=lambda r: abs(math.log(r.tokens_per_parameter / 20)))
-    assert best.name == "a"
-    capped = [row("a", 10e6, 60e3, n_data=10e6), row("b", 25e6, 30e3, n_data=10e6)]  # 4 epochs: 40M tokens
-    assert capped[0].tokens_per_parameter == 4.0 and capped[1].tokens_per_parameter == 1.6
-    assert "the data is the limit" in planner.why(row("a", 1e6, 60e3, n_data=1e6), [], 1e6)
-    assert "the smallest learns the most" in planner.why(row("a", 100e6, 1e3), [], None)
+def test_what_a_budget_buys_by_hand():
+    r = row("a", 1e6, tps=1000.0)  # an hour at 1000 tokens/s, 90% of it in steps: 3,240,000 tokens
+    planner.buy(r, 3600.0, n_data=500_000)  # 4 epochs of 500,000 tokens: 2,000,000 are worth training
+    assert (r.budget_tokens, r.trained_tokens, r.epochs, r.tokens_per_parameter) == (3_240_000, 2_000_000, 6.48, 2.0)
+    planner.buy(r, 3600.0, n_data=None)  # no data given: no limit
+    assert (r.trained_tokens, r.epochs, r.tokens_per_parameter) == (3_240_000, None, 3.24)
+
+
+def test_the_recommendation_is_nearest_twenty_tokens_per_parameter_by_ratio():
+    assert planner.recommend([row("a", 10e6, 19.44), row("b", 25e6, 3.888), row("c", 100e6, 0.2592)]).name == "a"
+    # 35 is 1.75x the rule, 8 is 2.5x below it: by ratio 35 is nearer (by difference 8 would be)
+    assert planner.recommend([row("small", 10e6, 35.0), row("large", 40e6, 8.0)]).name == "small"
+    assert planner.recommend([row("a", 10e6, 20.0, fits=False), row("b", 40e6, 2.0)]).name == "b"
+    assert planner.recommend([row("a", 10e6, 20.0, fits=False)]) is None
+
+
+def test_the_reason_says_what_holds_for_the_larger_presets():
+    data_bound = row("a", 1e6, 4.0)
+    data_bound.budget_tokens, data_bound.epochs = 60e6, 240.0
+    assert "the data is the limit" in planner.why(data_bound, [data_bound], 1e6)
+    assert "the smallest learns the most" in planner.why(row("a", 100e6, 1.0), [], None)
     assert planner.why(None, [], None).startswith("no preset fits")
+    best = row("small", 10e6, 200.0)  # 10x the rule: why not larger?
+    too_big = planner.why(best, [best, row("big", 100e6, fits=False)], None)
+    assert "; big does not fit in memory" in too_big
+    farther = planner.why(best, [best, row("big", 100e6, 2.0)], None)  # fits, and 10x below the rule
+    assert "the next larger that fits, big, would train 2 tokens per parameter" in farther
+    assert "fit in memory" not in farther
+    assert "it is the largest preset planned" in planner.why(best, [best, row("smaller", 1e6, 2000.0)], None)
+
+
+def test_a_cpu_plan_checks_memory_at_the_batch_its_command_trains(monkeypatch):
+    dtype = choose_dtype("auto", torch.device("cpu"), "train").dtype
+    peak = {b: estimate_memory(get_preset("tiny"), b, 64, dtype, optimizer=planner.OPTIMIZER).peak for b in (4, 8)}
+    assert peak[4] < peak[8]
+    monkeypatch.setattr(planner, "device_memory", lambda device: math.ceil(peak[4] / planner.MEMORY_SHARE))
+    rows, best, _, _ = planner.plan(60.0, "cpu", None, ["tiny"], seq_len=64, min_seconds=0.05)
+    assert best.batch_size == 4 and best.peak_bytes == peak[4]  # batch 8 would not fit
 
 
 def test_a_preset_that_does_not_fit_is_shown_and_never_recommended(monkeypatch):
@@ -93,8 +124,8 @@ def test_the_command_line_trains_the_recommendation(small_corpus, capsys):
 
 
 def test_a_short_run_gets_the_short_run_learning_rate():
-    short, long = row("a", 10e6, 1e3), row("a", 10e6, 1e6)  # an hour: ~790 steps of 8 x 512, ~790,000
-    assert short.trained_tokens / (8 * 512) < planner.SHORT_RUN_STEPS < long.trained_tokens / (8 * 512)
+    # batches of 8 x 512 = 4,096 tokens: 1,000 steps are 4,096,000 tokens
+    short, long = row("a", 10e6, 0.4), row("a", 10e6, 0.5)  # 4,000,000 and 5,000,000 tokens
     for flag in planner.SHORT_RUN_FLAGS:
         assert flag in planner.command(short, "1h", "d.jsonl", torch.device("cpu"))
         assert flag not in planner.command(long, "1h", "d.jsonl", torch.device("cpu"))

@@ -42,7 +42,7 @@ OPTIMIZER = "muon"  # pretraining's default (--optimizer auto without DeepSpeed)
 MEMORY_SHARE = 0.85  # of the device's memory a plan may fill (the allocator, the CUDA context, fragmentation)
 BATCHES = (64, 32, 16, 8, 4, 2, 1)  # on a GPU, the largest that fits is timed and recommended
 CPU_BATCH = 1  # a CPU times one sequence a step (a full 26M step of 8 x 512 takes ~15 s on 2 cores)...
-CPU_COMMAND_BATCH = 8  # ...and its tokens/s are those of the batch its command line trains with
+CPU_BATCHES = (8, 4, 2, 1)  # ...and its tokens/s are those of the largest of these that fits, its command's batch
 # A run planned for fewer steps than SHORT_RUN_STEPS gets the demo recipe's settings (recipes/demo-pretrain.yaml):
 # QK-norm, which keeps attention logits bounded at a high learning rate, and that learning rate with a short
 # warm-up. The presets' default, 5e-4, is for runs of many thousand steps: in 10 minutes on a 2-core CPU (~140
@@ -211,17 +211,17 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | None = Non
     last: tuple[float, float] | None = None  # the last timed preset's FLOP/s: forward and backward, update
     for name, cfg in configs:
         seq = seq_len or cfg.max_seq_len
-        batches = BATCHES if device.type == "cuda" else (CPU_BATCH,)
+        # the batch the command line trains with: the largest that fits (memory judged at that batch); a GPU times
+        # that batch, a CPU one sequence, scaled (its forward and backward grow with the batch, its update does not)
+        batches = BATCHES if device.type == "cuda" else CPU_BATCHES
         fitting = [b for b in batches if estimate_memory(cfg, b, seq, choice.dtype, optimizer=OPTIMIZER).peak
                    <= MEMORY_SHARE * memory]
         if not fitting:
             e = estimate_memory(cfg, 1, seq, choice.dtype, optimizer=OPTIMIZER)
             rows.append(PresetRow(name, cfg.num_parameters(), 1, seq, None, False, e.peak, False, False))
             continue
-        timed_batch = fitting[0]
-        # what the command line trains with: the timed batch on a GPU; on a CPU a few sequences a step, whose
-        # forward and backward scale with the batch while the update does not
-        batch = timed_batch if device.type == "cuda" else CPU_COMMAND_BATCH
+        batch = fitting[0]
+        timed_batch = batch if device.type == "cuda" else CPU_BATCH
         fb_flops = flops_per_token(cfg, seq) * timed_batch * seq
         ns_flops = newton_schulz_flops(cfg, precision_policy(device).newton_schulz_steps)
         estimate = estimate_memory(cfg, batch, seq, choice.dtype, optimizer=OPTIMIZER).peak
@@ -236,12 +236,8 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | None = Non
                               peak if peak is not None else estimate, peak is not None, True))
     for row in rows:
         if row.fits:
-            row.budget_tokens = row.tokens_per_s * TRAINING_SHARE * budget_s
-            row.trained_tokens = min(row.budget_tokens, MAX_EPOCHS * n_data) if n_data else row.budget_tokens
-            row.epochs = row.budget_tokens / n_data if n_data else None
-    candidates = [r for r in rows if r.fits]
-    best = min(candidates, key=lambda r: abs(math.log(r.tokens_per_parameter / TOKENS_PER_PARAMETER)),
-               default=None)
+            buy(row, budget_s, n_data)
+    best = recommend(rows)
     header = (f"time budget {format_duration(budget_s)} on {device} ({dtype_name(choice.dtype)}: {choice.reason}); "
               f"{TRAINING_SHARE:.0%} of it in training steps"
               + (f"; {data_path}: about {n_data / 1e6:,.1f}M tokens (estimated from its first "
@@ -249,8 +245,23 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | None = Non
     return rows, best, why(best, rows, n_data), header
 
 
+def buy(row: PresetRow, budget_s: float, n_data: int | None) -> None:
+    """Fill in what the budget buys with a preset that fits: its tokens, those within MAX_EPOCHS of the data
+    (n_data tokens; None: unknown, no limit), and the epochs the budget would read."""
+    row.budget_tokens = row.tokens_per_s * TRAINING_SHARE * budget_s
+    row.trained_tokens = min(row.budget_tokens, MAX_EPOCHS * n_data) if n_data else row.budget_tokens
+    row.epochs = row.budget_tokens / n_data if n_data else None
+
+
+def recommend(rows: list[PresetRow]) -> PresetRow | None:
+    """The preset that fits whose tokens per parameter are nearest TOKENS_PER_PARAMETER (by ratio: 10 and 40 are
+    as far from 20); None when none fits."""
+    return min((r for r in rows if r.fits), key=lambda r: abs(math.log(r.tokens_per_parameter / TOKENS_PER_PARAMETER)),
+               default=None)
+
+
 def why(best: PresetRow | None, rows: list[PresetRow], n_data: int | None) -> str:
-    """The recommendation in words."""
+    """The recommendation in words: why not a larger preset, when the budget would buy more than the rule asks."""
     if best is None:
         return "no preset fits in this device's memory even at batch 1"
     tpp = best.tokens_per_parameter
@@ -262,7 +273,16 @@ def why(best: PresetRow | None, rows: list[PresetRow], n_data: int | None) -> st
     elif tpp < TOKENS_PER_PARAMETER / 4:
         text += "; the budget is short for every preset, so the smallest learns the most"
     elif tpp > TOKENS_PER_PARAMETER * 4:
-        text += "; the larger presets do not fit in memory"
+        larger = sorted((r for r in rows if r.parameters > best.parameters), key=lambda r: r.parameters)
+        too_big = [r.name for r in larger if not r.fits]
+        if too_big:
+            text += f"; {', '.join(too_big)} {'does' if len(too_big) == 1 else 'do'} not fit in memory"
+        if any(r.fits for r in larger):  # nearer the rule by tokens, yet farther by ratio
+            nxt = next(r for r in larger if r.fits)
+            text += (f"; the next larger that fits, {nxt.name}, would train {nxt.tokens_per_parameter:.3g} tokens "
+                     "per parameter, farther from it")
+        elif not larger:
+            text += "; it is the largest preset planned"
     return text
 
 
