@@ -11,15 +11,18 @@ import json
 import math
 import os
 
-from hypothesis import example, given, settings
+import pytest
+import torch
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from common.errors import ConfigError
+from common.errors import ConfigError, TrainingError
 from common.tool_calls import parse_reply
 from common.tools import BUNDLED, ToolCall, ToolError, calculator, run_tool
 from dataset.ingest import split_document
 from dataset.tokenizer import chat_turns
-from trainer_utils.budget import count_due, parse_duration
+from trainer_utils.budget import HIGH, LOW, TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
+from trainer_utils.optim import WarmupCosine
 
 settings.register_profile("default", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=2000, deadline=None)
@@ -159,3 +162,104 @@ def test_an_assistant_turn_reads_back_as_the_chat_template_wrote_it(content, rea
     assert [(c.name, c.arguments) for c in reply.calls] == [(c["name"], c["arguments"]) for c in calls]
     if reasoning is not None:
         assert reply.reasoning is not None and reply.reasoning.strip() == reasoning.strip()
+
+
+# A time budget's plan (trainer_utils/budget.py) for any measured costs: what the run would spend, added up step by
+# step here (not with the plan's own arithmetic).
+def spends(plan: BudgetPlan, after: int, end: int, step_s: float) -> float:
+    """Seconds from step `after` (trained; its own evaluation and checkpoint, when due, still to come) to the end
+    of step `end`, counted one step at a time."""
+    seconds = 0.0
+    for s in range(max(after, 1), end + 1):
+        seconds += step_s if s > after else 0.0
+        due = lambda interval: s % interval == 0 or s == end  # noqa: E731
+        seconds += plan.eval_s * due(plan.eval_interval) + plan.save_s * due(plan.save_interval)
+    return seconds
+
+
+SECONDS = st.floats(min_value=0.0, max_value=20.0)
+PLANS = st.fixed_dictionaries({
+    "budget_s": st.floats(min_value=30.0, max_value=3000.0), "spent_share": st.floats(min_value=0.0, max_value=0.5),
+    "step_s": st.floats(min_value=0.05, max_value=20.0), "first_extra_s": SECONDS, "eval_s": SECONDS,
+    "save_s": SECONDS, "start_s": SECONDS, "limit": st.integers(1, 3000), "eval_interval": st.integers(1, 500),
+    "save_interval": st.none() | st.integers(1, 500)})
+
+
+def make(p: dict) -> BudgetPlan:
+    costs = Costs(p["step_s"], p["first_extra_s"], p["eval_s"], p["save_s"], 3, p["start_s"])
+    return make_plan(p["budget_s"], p["spent_share"] * p["budget_s"], costs, p["limit"], p["eval_interval"],
+                     p["save_interval"])
+
+
+@given(PLANS)
+def test_a_plan_is_the_longest_run_that_ends_by_its_target(p):
+    """The run the plan makes (set-up, start, first step's extra, steps with their evaluations and checkpoints)
+    ends by TARGET of the budget, one step more would not (unless the limit stops it), and when a step with its
+    evaluation and checkpoint is small next to the budget it ends no earlier than LOW: inside the guard's band.
+    A plan that leaves no step is refused, and then not even one step fits."""
+    spent = p["spent_share"] * p["budget_s"]
+    fixed = spent + p["start_s"] + p["first_extra_s"]
+    try:
+        plan = make(p)
+    except TrainingError:
+        one = make_plan(1e12, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), 1, p["eval_interval"], p["save_interval"])
+        one.eval_s, one.save_s = p["eval_s"], p["save_s"] if p["save_interval"] else 0.0
+        assert fixed + spends(one, 0, 1, p["step_s"]) > TARGET * p["budget_s"]
+        return
+    end = fixed + spends(plan, 0, plan.steps, plan.step_s)
+    assert 1 <= plan.steps <= p["limit"] and end <= TARGET * p["budget_s"] + 1e-9
+    if plan.steps < p["limit"]:
+        assert fixed + spends(plan, 0, plan.steps + 1, plan.step_s) > TARGET * p["budget_s"]
+        if p["step_s"] + p["eval_s"] + p["save_s"] <= (TARGET - LOW) * p["budget_s"]:
+            assert end >= LOW * p["budget_s"]
+
+
+@given(p=PLANS, at=st.floats(min_value=0.0, max_value=1.0), late=st.floats(min_value=0.0, max_value=0.4),
+       speed=st.floats(min_value=0.2, max_value=5.0))
+def test_a_replan_ends_in_the_band_or_as_early_as_it_can(p, at, late, speed):
+    """At any step, with the budget spent so far and a new step time: the plan is kept only when its end is
+    projected inside [LOW, HIGH] of the budget (or early, when no step more is allowed or fits; or late, when it
+    ends at this step already); a new end is the most steps that end by TARGET, or this very step when none does."""
+    try:
+        plan = make(p)
+    except TrainingError:
+        return
+    step = round(at * plan.steps)
+    step_s = plan.step_s * speed
+    spent = min(plan.budget_s, p["spent_share"] * plan.budget_s + step * plan.step_s * (1 + late))
+    budget, new = plan.budget_s, replan(plan, step, spent, step_s)
+    if new is None:
+        at_end = spent + spends(plan, step, plan.end, step_s)
+        # early is kept when no more steps are allowed, or one more would overrun (steps too coarse for the band)
+        no_more = plan.end >= plan.limit or spent + spends(plan, step, plan.end + 1, step_s) > TARGET * budget
+        in_band = LOW * budget - 1e-6 <= at_end <= HIGH * budget + 1e-6
+        assert in_band or (at_end < LOW * budget and no_more) or (at_end > HIGH * budget and plan.end == step)
+        return
+    assert step <= new <= plan.limit and new != plan.end
+    if new > step:
+        assert spent + spends(plan, step, new, step_s) <= TARGET * budget + 1e-9
+    if new < plan.limit:
+        assert spent + spends(plan, step, new + 1, step_s) > TARGET * budget
+
+
+@given(total=st.integers(1, 400), warmup=st.integers(0, 100),
+       replans=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 400)), max_size=4))
+def test_a_replanned_schedule_keeps_its_past_decays_without_jumps_and_ends_at_min_lr(total, warmup, replans):
+    """Any sequence of re-plans (each from a step already reached, to any later end) of a schedule that decays
+    (a warm-up shorter than its steps): the learning rates already used never change, past the peak they never
+    rise, and the last step's is the minimum."""
+    assume(warmup < total)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    schedule = WarmupCosine(opt, max_lr=1.0, min_lr=0.1, warmup=warmup, total=total)
+    step = 0
+    for where, extra in replans:
+        before = [schedule.lr_at(s) for s in range(step + 1)]
+        step += round(where * (schedule.end - step))
+        schedule.replan(step, step + extra)
+        assert [schedule.lr_at(s) for s in range(len(before))] == before
+    end = schedule.end
+    lrs = [schedule.lr_at(s) for s in range(end + 1)]
+    peak = max(range(end + 1), key=lambda s: (lrs[s], -s))
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    if end > step:  # (one stopped where it stood keeps the rate it had)
+        assert lrs[end] == pytest.approx(0.1)
