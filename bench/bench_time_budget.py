@@ -45,7 +45,7 @@ def run_budget(budget: str, recipe: str, out: Path, extra: list[str]) -> dict:
     return {"budget": budget, "budget_s": seconds, "wall_s": round(wall, 2), "share": round(wall / seconds, 4),
             "within_goal": GOAL[0] <= wall / seconds <= GOAL[1], "planned_steps": plan["steps"],
             "trained_steps": trained, "replans": len(replans), "probe": {k: plan[k] for k in (
-                "step_s", "first_extra_s", "eval_s", "save_s", "setup_s", "timed_steps")}}
+                "step_s", "first_extra_s", "eval_s", "save_s", "setup_s", "start_s", "timed_steps")}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,13 +259,19 @@ def test_bench_time_budget_records_each_budget_against_its_wall_time(corpus, tmp
                       "  preset: tiny\noptim:\n  batch_size: 4\n  optimizer: adamw\nrun:\n  log_interval: 1\n"
                       "eval:\n  eval_interval: 1000\n  sample_prompts: none\n")
     out = tmp_path / "budget.json"
-    bench_module("bench_time_budget").main(["--budgets", "6s", "--recipe", str(recipe), "--out", str(out),
-                                            "--runs_dir", str(tmp_path / "runs")])
+    t0 = time.perf_counter()
+    rc = bench_module("bench_time_budget").main(["--budgets", "12s", "--recipe", str(recipe), "--out", str(out),
+                                                 "--runs_dir", str(tmp_path / "runs")])
+    elapsed = time.perf_counter() - t0
     result = json.loads(out.read_text())
     run = result["runs"][0]
     assert result["machine"]["device"] == "cpu" and result["goal"] == [0.9, 1.05]
-    assert run["budget_s"] == 6 and run["share"] == pytest.approx(run["wall_s"] / 6, rel=1e-3)
-    assert run["trained_steps"] >= 1 and run["probe"]["step_s"] > 0 and isinstance(run["within_goal"], bool)
+    # the process's wall time, as this test's clock sees it too (whether this machine meets the goal is the
+    # benchmark's finding, not this test's): the verdict and the exit status follow from it
+    assert 1.0 < run["wall_s"] <= elapsed and run["budget_s"] == 12
+    assert run["share"] == pytest.approx(run["wall_s"] / 12, rel=1e-3)
+    assert run["within_goal"] is (10.8 <= run["wall_s"] <= 12.6) and rc == (0 if run["within_goal"] else 1)
+    assert run["trained_steps"] >= 1 and run["probe"]["step_s"] > 0
 
 
 def test_bench_install_summarises_a_run_from_its_metrics(tmp_path):
