@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import stat
 import sys
 import time
 from collections import Counter, defaultdict
@@ -89,8 +90,12 @@ def find_files(inputs: Iterable[str | Path], exclude: Iterable[Path] = ()) -> li
             found = [root]
         elif root.is_dir():
             found = []
-            for folder, dirs, names in os.walk(root):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            # linked folders are read too, each real folder once: a link back up the tree is no loop
+            visited: set[str] = set()
+            for folder, dirs, names in os.walk(root, followlinks=True):
+                visited.add(os.path.realpath(folder))
+                dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+                                 and os.path.realpath(os.path.join(folder, d)) not in visited)
                 found += [Path(folder) / n for n in sorted(names) if not n.startswith(".")]
         else:
             raise DataError(f"{root}: no such file or folder")
@@ -207,6 +212,19 @@ class IngestStats:
     language_s: float = 0.0
 
 
+def regular_file_size(path: Path) -> int:
+    """The size of a file that can be read; Unreadable for what a folder may also hold: a symbolic link to nothing,
+    a FIFO or a device (opening those would wait forever, or read without end), a file that vanished."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        dangling = path.is_symlink() and isinstance(e, FileNotFoundError)
+        raise Unreadable("a symbolic link to nothing" if dangling else f"cannot read it ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise Unreadable("not a regular file (a FIFO, socket or device)")
+    return st.st_size
+
+
 def _read(path: Path, opts: IngestOptions, stats: IngestStats, bad_lines: SkipReport,
           warn: Any) -> Extracted | None:
     fmt = file_format(path)
@@ -215,9 +233,9 @@ def _read(path: Path, opts: IngestOptions, stats: IngestStats, bad_lines: SkipRe
         return None
     fs = stats.formats[fmt]
     fs.files += 1
-    size = path.stat().st_size
     start = time.perf_counter()
     try:
+        size = regular_file_size(path)
         extracted = extract_file(path, opts.encoding, opts.skip_bad_lines, bad_lines)
     except Unreadable as e:
         fs.skipped += 1
@@ -232,12 +250,12 @@ def _read(path: Path, opts: IngestOptions, stats: IngestStats, bad_lines: SkipRe
     fs.bytes += size
     fs.pages += extracted.pages
     if extracted.pages_without_text:
+        many = len(extracted.pages_without_text) > 1
         fs.pages_without_text += len(extracted.pages_without_text)
-        named = f"{path}: page{'s' if len(extracted.pages_without_text) > 1 else ''} " + ", ".join(
-            map(str, extracted.pages_without_text))
+        named = f"{path}: page{'s' if many else ''} " + ", ".join(map(str, extracted.pages_without_text))
         stats.textless_pages.append(named)
-        warn(f"{named} of {extracted.pages} have no text layer (images: their text is not read; OCR the file to "
-             "keep it)")
+        warn(f"{named} of {extracted.pages} {'have' if many else 'has'} no text layer (images: their text is not "
+             "read; OCR the file to keep it)")
     fs.documents += len(extracted.documents)
     fs.chars += sum(len(d.text) for d in extracted.documents)
     return extracted

@@ -124,6 +124,104 @@ def test_html_keeps_entity_like_text_as_written(tmp_path):
     assert "Write &gt; or &#62; for" in read(path)
 
 
+# Pages shaped like the generators' output met on real documentation (written here, none copied): DocBook's,
+# with none of the frames (<main>, <article>...) trafilatura looks for the main text in; Sphinx's, whose sections
+# are named by their titles; mdBook's, a chapter inside its sidebar, menu bar and keyboard-help popup.
+TERMS = {"keeper": "The keeper trims the lamp twice each night and writes the weather in the log book.",
+         "harbour": "Boats that shelter from the northern storms tie up in the harbour below the cape.",
+         "apple tree": "Nobody remembers who planted the apple tree beside the cottage, but it bears fruit."}
+
+
+def definitions(terms: dict[str, str], dt: str = "dt", dd: str = "dd") -> str:
+    return "".join(f"<{dt}>{term}</{dt}><{dd}><p>{text}</p></{dd}>" for term, text in terms.items())
+
+
+def lines_of(path) -> list[str]:
+    return [line.removeprefix("- ") for line in read(path).splitlines()]  # trafilatura's list items: "- "
+
+
+def assert_terms_before_definitions(lines: list[str], terms: dict[str, str]) -> None:
+    for term, text in terms.items():
+        assert term in lines and lines[lines.index(term) + 1] == text, (term, lines)
+
+
+def test_html_without_a_frame_keeps_headings_and_definition_terms(tmp_path):
+    path = tmp_path / "glossary.html"
+    path.write_text(f"""<!DOCTYPE HTML PUBLIC "-//W3C//DTD HTML 4.01 Transitional//EN">
+<HTML><HEAD><TITLE>Words of the cape</TITLE><META NAME="GENERATOR" CONTENT="Modular DocBook HTML Stylesheet">
+</HEAD><BODY CLASS="BOOK"><DIV CLASS="BOOK"><DIV CLASS="TITLEPAGE"><H1 CLASS="TITLE"><A NAME="AEN2">Words of the
+cape</A></H1><P CLASS="COPYRIGHT">Copyright 2026 the keepers of the cape</P></DIV>
+<DIV CLASS="TOC"><DL><DT><B>Table of Contents</B></DT><DT>1. <A HREF="#INTRO">Introduction</A></DT>
+<DT>2. <A HREF="#WORDS">Words</A></DT></DL></DIV>
+<DIV CLASS="CHAPTER"><H1><A NAME="INTRO"></A>Chapter 1. Introduction</H1><P>{PARAGRAPHS[0]}</P></DIV>
+<DIV CLASS="CHAPTER"><HR><H1><A NAME="WORDS"></A>Chapter 2. Words</H1><P>{PARAGRAPHS[1]}</P>
+<DIV CLASS="VARIABLELIST"><DL>{definitions(TERMS, "DT", "DD")}</DL></DIV></DIV></DIV></BODY></HTML>""",
+                    encoding="utf-8")
+    lines = lines_of(path)
+    assert {"Chapter 1. Introduction", "Chapter 2. Words"} <= set(lines)
+    assert_terms_before_definitions(lines, TERMS)
+
+
+def test_html_keeps_sections_titled_like_navigation_without_permalinks(tmp_path):
+    def section(name: str, title: str, body: str) -> str:
+        return (f'<section id="{name}"><h2>{title}<a class="headerlink" href="#{name}" title="Link to this heading">'
+                f"¶</a></h2>{body}</section>")
+
+    menus = {"Trim Wick": "Cut the burnt end of the wick so that the flame burns clean and bright all night.",
+             "Log Weather": "Write the wind, the sea and the ships that passed into the book kept by the lamp."}
+    path = tmp_path / "lamp.html"
+    path.write_text(f"""<!DOCTYPE html><html><head><title>The lamp room</title></head><body>
+<div class="related" role="navigation" aria-label="Related"><h3>Navigation</h3><ul><li><a href="index.html">index
+</a></li></ul></div><div class="document"><div class="documentwrapper"><div class="bodywrapper">
+<div class="body" role="main"><section id="the-lamp-room"><h1>The lamp room<a class="headerlink" href="#the-lamp-room">
+¶</a></h1><p>{PARAGRAPHS[0]}</p>{section("menus", "Menus", f"<p>{PARAGRAPHS[1]}</p><dl>{definitions(menus)}</dl>")}
+{section("editing-and-navigation", "Editing and Navigation", f"<p>{PARAGRAPHS[2]}</p>")}</section></div></div></div>
+<div class="sphinxsidebar" role="navigation" aria-label="Main"><h4>Previous topic</h4><p><a href="a.html">The
+cape</a></p></div></div><div class="footer">© Copyright 2026, the keepers.</div></body></html>""",
+                    encoding="utf-8")
+    lines = lines_of(path)
+    assert {"The lamp room", "Menus", "Editing and Navigation", *PARAGRAPHS} <= set(lines)
+    assert_terms_before_definitions(lines, menus)
+    assert "¶" not in read(path) and "Previous topic" not in lines
+
+
+def mdbook_page(chapter: str) -> str:
+    pages = ["Introduction", "The lamp", "The harbour"]
+    return f"""<!DOCTYPE HTML><html lang="en" class="light sidebar-visible"><head><title>The lamp</title></head>
+<body><div id="mdbook-help-container"><div id="mdbook-help-popup"><h2 class="mdbook-help-title">Keyboard shortcuts
+</h2><div><p>Press <kbd>←</kbd> or <kbd>→</kbd> to navigate between chapters</p><p>Press <kbd>S</kbd> or
+<kbd>/</kbd> to search in the book</p><p>Press <kbd>?</kbd> to show this help</p><p>Press <kbd>Esc</kbd> to hide
+this help</p></div></div></div><div id="mdbook-body-container">
+<nav id="mdbook-sidebar" class="sidebar" aria-label="Table of contents"><ol class="chapter">
+{"".join(f'<li class="chapter-item"><a href="{i}.html">{i}. {t}</a></li>' for i, t in enumerate(pages, 1))}</ol></nav>
+<div id="mdbook-page-wrapper" class="page-wrapper"><div class="page"><div id="mdbook-menu-bar" class="menu-bar sticky">
+<div class="left-buttons"><button id="mdbook-theme-toggle" class="icon-button" type="button" title="Change theme">
+</button><ul id="mdbook-theme-list" class="theme-popup" aria-label="Themes" role="menu">
+{"".join(f'<li role="none"><button role="menuitem" class="theme">{t}</button></li>' for t in ("Light", "Coal"))}
+</ul></div><h1 class="menu-title">Notes from the cape</h1><div class="right-buttons"><a href="print.html"
+title="Print this book" aria-label="Print this book"></a></div></div><div id="mdbook-search-wrapper" class="hidden">
+<form id="mdbook-searchbar-outer" class="searchbar-outer"><input type="search" placeholder="Search this book ...">
+</form></div><div id="mdbook-content" class="content"><main>{chapter}</main>
+<nav class="nav-wrapper" aria-label="Page navigation"><a rel="prev" href="1.html" class="mobile-nav-chapters previous"
+title="Previous chapter" aria-label="Previous chapter" aria-keyshortcuts="Left">←</a></nav></div></div></div></div>
+</body></html>"""
+
+
+def test_html_leaves_out_mdbook_chrome_around_a_chapter(tmp_path):
+    # a one-paragraph chapter, where trafilatura went looking for more text and took the keyboard help
+    path = tmp_path / "short.html"
+    path.write_text(mdbook_page('<h1 id="lamp"><a class="header" href="#lamp">The lamp</a></h1>'
+                                "<p>The lamp is trimmed twice each night.</p>"), encoding="utf-8")
+    assert lines_of(path) == ["The lamp", "The lamp is trimmed twice each night."]
+    path = tmp_path / "long.html"
+    path.write_text(mdbook_page("".join(f'<h{level} id="s{level}"><a class="header" href="#s{level}">{title}</a>'
+                                        f"</h{level}><p>{text}</p>" for level, title, text in
+                                        zip((1, 2, 2), ("The lamp", "Winter", "The tree"), PARAGRAPHS))),
+                    encoding="utf-8")
+    lines = lines_of(path)
+    assert lines == ["The lamp", PARAGRAPHS[0], "Winter", PARAGRAPHS[1], "The tree", PARAGRAPHS[2]], lines
+
+
 def test_plain_text_encodings(tmp_path):
     (tmp_path / "bom.txt").write_bytes("\ufeffhello wörld".encode("utf-8"))
     (tmp_path / "utf16.txt").write_bytes("hello wörld".encode("utf-16"))
@@ -205,6 +303,31 @@ def test_ingest_counts_and_names_every_skip_and_never_writes_an_empty_record(tmp
     records = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     assert records and all(r["text"].strip() and r["source"] == str(folder / "good.html") for r in records)
     assert json.loads((tmp_path / "corpus.jsonl.report.json").read_text())["records"]["kept"] == len(records)
+
+
+def test_a_folder_of_links_and_special_files_is_read_once_and_never_waits(tmp_path):
+    """What a real folder may hold beside documents: a link to a folder (read, as its files are the user's), links
+    back up the tree (no loop: each real folder is read once), a link to nothing and a FIFO (opening one would
+    wait forever): each of the last two is one skip line, the ingest goes on."""
+    import os
+
+    folder, elsewhere = tmp_path / "docs", tmp_path / "elsewhere"
+    (folder / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    (folder / "sub" / "notes.txt").write_text(PARAGRAPHS[0], encoding="utf-8")
+    (elsewhere / "linked.txt").write_text(PARAGRAPHS[1], encoding="utf-8")
+    (folder / "sub" / "up").symlink_to("..")  # docs/sub/up -> docs
+    (folder / "sub" / "round").symlink_to(folder / "sub")  # itself
+    (folder / "elsewhere").symlink_to(elsewhere)
+    (folder / "gone.txt").symlink_to(tmp_path / "missing.txt")
+    os.mkfifo(folder / "pipe.txt")
+    warnings = []
+    report = ingest([folder], tmp_path / "out.jsonl", progress=False, warn=warnings.append)
+    assert report["files"] == {"found": 4, "read": 2, "skipped": 2, "other_types": 0}
+    assert warnings == [f"skipped {folder / 'gone.txt'}: a symbolic link to nothing",
+                        f"skipped {folder / 'pipe.txt'}: not a regular file (a FIFO, socket or device)"]
+    kept = (tmp_path / "out.jsonl").read_text(encoding="utf-8")
+    assert PARAGRAPHS[0][:40] in kept and PARAGRAPHS[1][:40] in kept
 
 
 def test_jsonl_bad_lines_are_skipped_and_counted_when_asked(tmp_path):
@@ -427,7 +550,7 @@ def test_image_pages_inside_a_text_pdf_are_counted_and_named(tmp_path):
     mixed = str(tmp_path / "docs" / "mixed.pdf")
     assert report["pages_without_text"] == [f"{mixed}: page 3"]
     assert report["by_format"]["pdf"]["pages_without_text"] == 1 and report["by_format"]["pdf"]["pages"] == 4
-    assert any(w.startswith(f"{mixed}: page 3 of 4 have no text layer") for w in warnings)
+    assert any(w.startswith(f"{mixed}: page 3 of 4 has no text layer") for w in warnings)
     assert [s for s in report["skipped"] if "scan.pdf" in s] == [
         f"{tmp_path / 'docs' / 'scan.pdf'}: no text layer on 3 of 4 pages (images: a scan? run OCR first, e.g. "
         "ocrmypdf)"]
