@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         api_key = server.api_key or os.environ.get("POCKETLM_API_KEY") or None
         device = resolve_device(config.device.device)
         sock = listen(server.host, server.port)  # before the (slow) model load: a busy port fails fast
-        from serving.api import create_app, load_service  # FastAPI and the model stack load only when needed
+        # FastAPI and the model stack load only when needed
+        from serving.api import create_app
+        from serving.service import load_service
         service = load_service(config, device)
     except (PocketLMError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

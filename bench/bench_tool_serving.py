@@ -29,6 +29,7 @@ import uvicorn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import serving.api as api  # noqa: E402
+import serving.routes as routes  # noqa: E402
 from bench.portable import portable  # noqa: E402
 from common.config import parse_config  # noqa: E402
 from common.device import cpu_description  # noqa: E402
@@ -37,6 +38,7 @@ from common.tools import tool_schemas  # noqa: E402
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer  # noqa: E402
 from model import PocketLM, get_preset, save_model  # noqa: E402
 from serving.config import ServeConfig  # noqa: E402
+from serving.service import load_service  # noqa: E402
 
 
 def demo_shaped_model(out: Path) -> Path:
@@ -64,7 +66,7 @@ def reader_cost(tok: Tokenizer) -> float:
     return (time.perf_counter() - start) / sum(len(p) for p in pieces) * 1e6
 
 
-class PassThrough(api.Reading):
+class PassThrough(routes.Reading):
     """The reading replaced by nothing: every piece is content as generated."""
 
     def stream(self) -> ReplyStream:
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = args.checkpoint if args.checkpoint.exists() else demo_shaped_model(Path(tmp) / "demo-shaped")
         config = parse_config(ServeConfig, ["--checkpoint", str(checkpoint), "--device", "cpu"])
-        service = api.load_service(config, torch.device("cpu"))
+        service = load_service(config, torch.device("cpu"))
         server = uvicorn.Server(uvicorn.Config(api.create_app(service), log_level="warning"))
         sock = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
@@ -94,18 +96,18 @@ def main(argv: list[str] | None = None) -> int:
                        tools=tool_schemas(), max_tokens=args.max_tokens, temperature=0, stream=True,
                        extra_body={"ignore_eos": True})
         times: dict[str, list[float]] = {"read": [], "pass-through": []}
-        real = api.Reading
+        real = routes.Reading  # what the chat route reads an answer with
         try:
             for i in range(2 * args.requests + 2):  # the first two warm up
                 setting = ("read", "pass-through")[i % 2]
-                api.Reading = real if setting == "read" else PassThrough
+                routes.Reading = real if setting == "read" else PassThrough
                 start = time.perf_counter()
                 chunks = list(client.chat.completions.create(**request))
                 if i >= 2:
                     times[setting].append(time.perf_counter() - start)
                 assert chunks[-1].choices[0].finish_reason in ("length", "tool_calls"), chunks[-1]
         finally:
-            api.Reading = real
+            routes.Reading = real
             server.should_exit = True
     read, plain = (statistics.median(times[k]) for k in ("read", "pass-through"))
     result = {"machine": f"{cpu_description()}, {os.cpu_count()} cores, 1 torch thread",

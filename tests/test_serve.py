@@ -31,7 +31,7 @@ import uvicorn
 from common.config import parse_config
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
 from model import PocketLM, generate, load_model, save_model
-from serving.api import create_app, load_service
+from serving.api import create_app
 from serving.config import ServeConfig
 from serving.engine import (
     ChoiceEnd,
@@ -43,6 +43,7 @@ from serving.engine import (
     TextDelta,
     TextStream,
 )
+from serving.service import load_service
 
 from conftest import ROOT, cli_flags, tiny_config
 
