@@ -399,14 +399,9 @@ def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool, recomputed: 
     return MoEBlock(saved, 1 + (2 if fs else 0), weights, cached_weights, incoming + moments[largest], largest)
 
 
-def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str | torch.dtype = "float32",
-                    grad_checkpointing: bool = False, accumulation_steps: int = 1,
-                    name: str | None = None, optimizer: str = "adamw") -> MemoryEstimate:
-    """Estimate the bytes one training step of PocketLM(cfg) keeps alive (see the module docstring).
-
-    dtype is the autocast dtype ("float32": none), as a name or a torch.dtype (the trainer's Precision.dtype);
-    optimizer is "adamw" or "muon" (trainer_utils/optim.py: Muon on the hidden matrices, AdamW on the rest).
-    """
+def checked_inputs(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str | torch.dtype,
+                   accumulation_steps: int, optimizer: str) -> str:
+    """The dtype's name, once every input is one the estimate models (ConfigError naming the one that is not)."""
     if optimizer not in ("adamw", "muon"):
         raise ConfigError(f"optimizer {optimizer!r}; the estimate knows adamw and muon")
     if isinstance(dtype, torch.dtype):
@@ -421,26 +416,26 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
     if cfg.dropout:
         raise ConfigError(f"the estimate models dropout 0, got {cfg.dropout} (dropout saves masks, and attention "
                           "dropout moves SDPA to a kernel that stores the T x T weights)")
-    N, d, f, L = batch_size * seq_len, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    V, H, kv = cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads * cfg.head_dim
-    a = DTYPE_BYTES[dtype]
-    autocast = a < 4
-    swiglu = cfg.mlp == "swiglu"
-    P = cfg.num_parameters()
+    return dtype
 
-    parameters = gradients = 4 * P
+
+def persistent_state(cfg: ModelConfig, optimizer: str) -> tuple[int, int]:
+    """Bytes of the buffers (RoPE's tables, the routing biases) and of the optimizer's state, both fp32."""
+    P = cfg.num_parameters()
     buffers = 2 * 4 * cfg.max_position_embeddings * cfg.head_dim if cfg.position_embedding == "rope" else 0
-    buffers += 4 * cfg.num_experts * L  # each MoE layer's routing bias (fp32)
+    buffers += 4 * cfg.num_experts * cfg.num_hidden_layers  # each MoE layer's routing bias
     if optimizer == "muon":  # a momentum buffer for each hidden matrix; AdamW's two moments and step on the rest
         matrices, tensors = muon_matrices(cfg)
-        optimizer_state = 4 * matrices + 2 * 4 * (P - matrices) + 4 * (parameter_tensors(cfg) - tensors)
-    else:
-        optimizer_state = 2 * 4 * P + 4 * parameter_tensors(cfg)
+        return buffers, 4 * matrices + 2 * 4 * (P - matrices) + 4 * (parameter_tensors(cfg) - tensors)
+    return buffers, 2 * 4 * P + 4 * parameter_tensors(cfg)
 
-    # ---- saved for backward by one block (bytes for all N tokens)
-    norm = N * (4 * d + 4 if cfg.norm == "rmsnorm" else 8)  # what a norm keeps besides its input
-    accumulating = accumulation_steps > 1
-    moe = moe_block(cfg, N, a, accumulating, grad_checkpointing) if cfg.moe else None
+
+def block_saved(cfg: ModelConfig, N: int, a: int, moe: MoEBlock | None, norm: int) -> tuple[int, int]:
+    """What one block saves for backward (bytes for all N tokens; a norm keeps `norm` besides its input), and the
+    autocast copies of its linear weights (biases aside) among them."""
+    d, f, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    autocast, swiglu = a < 4, cfg.mlp == "swiglu"
     mlp_linears = moe.norm_output_readers if moe else 2 if swiglu else 1
     # fp32: one norm output shared by its linears; autocast: one a-byte copy per linear
     norm_outputs = a * d * N * (3 + mlp_linears) if autocast else 2 * 4 * d * N
@@ -448,11 +443,34 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str 
     if cfg.qk_norm:  # per query / key head: the fp32 input (autocast: a cast), its rsqrt, the output (a-byte cast)
         attention += (4 + a) * (d + kv) * N + 4 * (H + cfg.num_key_value_heads) * N
     mlp = moe.saved if moe else (4 if swiglu else 2) * a * f * N
-    # linear weights, biases aside
     block_weights = 2 * d * d + 2 * d * kv + (moe.weights if moe else (3 if swiglu else 2) * d * f)
-    block_weight_copies = a * block_weights if autocast else 0
+    weight_copies = a * block_weights if autocast else 0
+    return 2 * 4 * d * N + 2 * norm + norm_outputs + attention + mlp + weight_copies, weight_copies
+
+
+def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str | torch.dtype = "float32",
+                    grad_checkpointing: bool = False, accumulation_steps: int = 1,
+                    name: str | None = None, optimizer: str = "adamw") -> MemoryEstimate:
+    """Estimate the bytes one training step of PocketLM(cfg) keeps alive (see the module docstring).
+
+    dtype is the autocast dtype ("float32": none), as a name or a torch.dtype (the trainer's Precision.dtype);
+    optimizer is "adamw" or "muon" (trainer_utils/optim.py: Muon on the hidden matrices, AdamW on the rest).
+    """
+    dtype = checked_inputs(cfg, batch_size, seq_len, dtype, accumulation_steps, optimizer)
+    N, d, f, L = batch_size * seq_len, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    V, a = cfg.vocab_size, DTYPE_BYTES[dtype]
+    autocast = a < 4
+    swiglu = cfg.mlp == "swiglu"
+    P = cfg.num_parameters()
+    parameters = gradients = 4 * P
+    buffers, optimizer_state = persistent_state(cfg, optimizer)
+
+    accumulating = accumulation_steps > 1
+    moe = moe_block(cfg, N, a, accumulating, grad_checkpointing) if cfg.moe else None
+    mlp_linears = moe.norm_output_readers if moe else 2 if swiglu else 1
+    norm = N * (4 * d + 4 if cfg.norm == "rmsnorm" else 8)  # what a norm keeps besides its input
     block_input = 4 * d * N
-    block = 2 * block_input + 2 * norm + norm_outputs + attention + mlp + block_weight_copies
+    block, block_weight_copies = block_saved(cfg, N, a, moe, norm)
 
     # ---- around the blocks: learned positions' int64 ids, the final norm (input, state, output or its copy),
     # the lm_head's weight copy, the loss's log-softmax
