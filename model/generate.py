@@ -119,6 +119,13 @@ def done_check_interval(device: torch.device) -> int:
     return 1 if device.type == "cpu" else 16
 
 
+def tokens_seen(ids: torch.Tensor, pad_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, vocab_size) bool: the tokens each left-padded prompt holds (the repetition penalty's), pads left out."""
+    seen = torch.zeros((ids.shape[0], vocab_size + 1), dtype=torch.bool, device=ids.device)  # the last: pads
+    seen.scatter_(1, ids.masked_fill(pad_mask == 0, vocab_size), True)
+    return seen[:, :-1]
+
+
 @torch.no_grad()  # never a graph: the KV cache, written in place, would hold one alive after the call
 def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
@@ -145,8 +152,7 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
     cfg = model.config
     device = next(model.parameters()).device
     ids, pad_mask = left_pad(prompts, pad_token_id, device)
-    B, P = ids.shape
-    total = P + max_new_tokens
+    (B, P), total = ids.shape, ids.shape[1] + max_new_tokens
     if total > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
@@ -157,21 +163,15 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
     attention_mask = torch.ones((B, total), dtype=torch.long, device=device)
     attention_mask[:, :P] = pad_mask
     positions = (pad_mask.cumsum(-1) - 1).clamp(min=0)
-    seen = torch.zeros((B, cfg.vocab_size + 1), dtype=torch.bool, device=device)  # last column absorbs pads
-    seen.scatter_(1, ids.masked_fill(pad_mask == 0, cfg.vocab_size), True)
-    seen = seen[:, :-1]
+    seen = tokens_seen(ids, pad_mask, cfg.vocab_size)
     eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long, device=device)
     out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    done, step_log_probs = torch.zeros(B, dtype=torch.bool, device=device), []
     lengths = torch.zeros(B, dtype=torch.long, device=device)  # real tokens produced per row
-    step_log_probs = []
 
-    cache = None
-    if use_cache:
-        cache = KVCache(cfg, B, total, device=device, dtype=KVCache.dtype_for(model, device))
-        logits = prefill(model, ids, positions, pad_mask, cache)
-    else:
-        logits = model(ids, position_ids=positions, attention_mask=pad_mask, last_only=True)[:, -1]
+    cache = KVCache(cfg, B, total, device=device, dtype=KVCache.dtype_for(model, device)) if use_cache else None
+    logits = (prefill(model, ids, positions, pad_mask, cache) if use_cache else
+              model(ids, position_ids=positions, attention_mask=pad_mask, last_only=True)[:, -1])
     all_ids, all_pos = ids, positions
     check_every = done_check_interval(device)
     for n in range(1, max_new_tokens + 1):
@@ -196,14 +196,10 @@ def generate(model: PocketLM, prompts: Sequence[Sequence[int]], max_new_tokens: 
         column = token[:, None]
         seen.scatter_(1, column, seen.gather(1, column) | active[:, None])
         next_pos = positions[:, -1:] + n
-        if use_cache:
-            logits = model(token[:, None], position_ids=next_pos, attention_mask=attention_mask[:, :P + n],
-                           kv_cache=cache, last_only=True)[:, -1]
-        else:
-            all_ids = torch.cat([all_ids, token[:, None]], dim=1)
-            all_pos = torch.cat([all_pos, next_pos], dim=1)
-            logits = model(all_ids, position_ids=all_pos, attention_mask=attention_mask[:, :P + n],
-                           last_only=True)[:, -1]
+        if not use_cache:  # the whole sequence again
+            all_ids, all_pos = torch.cat([all_ids, token[:, None]], dim=1), torch.cat([all_pos, next_pos], dim=1)
+        logits = model(token[:, None] if use_cache else all_ids, position_ids=next_pos if use_cache else all_pos,
+                       attention_mask=attention_mask[:, :P + n], kv_cache=cache, last_only=True)[:, -1]
     model.train(was_training)
 
     lengths = lengths.tolist()
