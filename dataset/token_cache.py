@@ -363,6 +363,58 @@ def prepare(data_path: str | Path, tokenizer: Tokenizer, kind: CachedKind = TEXT
     return cache
 
 
+class SplitFiles:
+    """The cache's files being written, per split: the token ids (.bin), the document offsets (.idx) and, for the
+    kinds that have them, the loss labels (.lbl) and the pair segments (.seg)."""
+
+    def __init__(self, folder: Path, kind: CachedKind) -> None:
+        exts = {TEXT: ("bin", "idx"), CONVERSATIONS: ("bin", "idx", "lbl"), PAIRS: ("bin", "idx", "lbl", "seg")}[kind]
+        self.files = {(s, e): open(folder / f"{s}.{e}", "wb") for s in SPLITS for e in exts}
+        self.offsets = {s: [np.zeros(1, dtype=np.uint64)] for s in SPLITS}
+        self.tokens = {s: 0 for s in SPLITS}
+
+    def write(self, enc: Encoded, is_val: np.ndarray) -> None:
+        """Append a chunk's documents, each to its split."""
+        starts = np.cumsum(enc.lengths) - enc.lengths
+        for split, mask in (("train", ~is_val), ("val", is_val)):
+            if not mask.any():
+                continue
+            sel = gather_ranges(starts[mask], enc.lengths[mask])
+            enc.ids[sel].tofile(self.files[(split, "bin")])
+            if enc.labels is not None:
+                enc.labels[sel].tofile(self.files[(split, "lbl")])
+            if enc.segments is not None:
+                enc.segments[mask].astype(np.uint32).tofile(self.files[(split, "seg")])
+            self.offsets[split].append(self.tokens[split] + np.cumsum(enc.lengths[mask]).astype(np.uint64))
+            self.tokens[split] += int(enc.lengths[mask].sum())
+
+    def finish(self) -> dict[str, int]:
+        """Write the offsets, flush everything to disk and close; the documents per split."""
+        docs = {}
+        for split in SPLITS:
+            idx = np.concatenate(self.offsets[split])
+            idx.tofile(self.files[(split, "idx")])
+            docs[split] = len(idx) - 1
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        return docs
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Put a finished cache in place of any older one at `final` (a reader sees the old or the new whole)."""
+    old = final.with_name(f"{final.name}.tmp-old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _build(source: Path, tokenizer: Tokenizer, kind: CachedKind, settings: dict[str, Any], final: Path,
            num_workers: int | None, skip_bad_lines: bool, max_line_bytes: int,
            log: Callable[[str], None]) -> TokenCache:
@@ -371,10 +423,7 @@ def _build(source: Path, tokenizer: Tokenizer, kind: CachedKind, settings: dict[
     t0 = time.time()
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
-    exts = {TEXT: ("bin", "idx"), CONVERSATIONS: ("bin", "idx", "lbl"), PAIRS: ("bin", "idx", "lbl", "seg")}[kind]
-    files = {(s, e): open(tmp / f"{s}.{e}", "wb") for s in SPLITS for e in exts}
-    offsets = {s: [np.zeros(1, dtype=np.uint64)] for s in SPLITS}
-    totals = {s: 0 for s in SPLITS}
+    out = SplitFiles(tmp, kind)
     report, stats = SkipReport(), {}
     workers = min(os.cpu_count() or 1, 8) if num_workers is None else num_workers
     if not getattr(sys.modules["__main__"], "__file__", None):
@@ -397,19 +446,7 @@ def _build(source: Path, tokenizer: Tokenizer, kind: CachedKind, settings: dict[
                 report.reject(source, lineno, reason, skip_bad_lines)
             for k, v in enc.stats.items():
                 stats[k] = stats.get(k, 0) + v
-            is_val = in_validation(enc.linenos, settings["val_fraction"], settings["seed"])
-            starts = np.cumsum(enc.lengths) - enc.lengths
-            for split, mask in (("train", ~is_val), ("val", is_val)):
-                if not mask.any():
-                    continue
-                sel = gather_ranges(starts[mask], enc.lengths[mask])
-                enc.ids[sel].tofile(files[(split, "bin")])
-                if enc.labels is not None:
-                    enc.labels[sel].tofile(files[(split, "lbl")])
-                if enc.segments is not None:
-                    enc.segments[mask].astype(np.uint32).tofile(files[(split, "seg")])
-                offsets[split].append(totals[split] + np.cumsum(enc.lengths[mask]).astype(np.uint64))
-                totals[split] += int(enc.lengths[mask].sum())
+            out.write(enc, in_validation(enc.linenos, settings["val_fraction"], settings["seed"]))
             bar.update(nbytes)
 
         for chunk, nbytes in _lines_in_chunks(source, max_line_bytes):
@@ -425,32 +462,19 @@ def _build(source: Path, tokenizer: Tokenizer, kind: CachedKind, settings: dict[
             consume(result.get(), n)
         bar.close()
 
-        docs = {}
-        for split in SPLITS:
-            idx = np.concatenate(offsets[split])
-            idx.tofile(files[(split, "idx")])
-            docs[split] = len(idx) - 1
-        for f in files.values():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+        docs = out.finish()
         if docs["train"] == 0:
             raise DataError(f"{source}: no usable records for training ({report.summary()})")
         meta = {"version": CACHE_VERSION, "kind": kind, "source": source_info,
                 "tokenizer": {"path": str(tokenizer.path), "sha256": tokenizer.sha256,
                               "vocab_size": tokenizer.vocab_size},
                 "settings": settings, "dtype": token_dtype(tokenizer.vocab_size).name,
-                "splits": {s: {"documents": docs[s], "tokens": totals[s]} for s in SPLITS},
+                "splits": {s: {"documents": docs[s], "tokens": out.tokens[s]} for s in SPLITS},
                 "skipped": dict(report.counts), "stats": stats, "build_seconds": round(time.time() - t0, 2)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        old = final.with_name(f"{final.name}.tmp-old-{os.getpid()}")
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _publish(tmp, final)
     except BaseException:
-        for f in files.values():
-            f.close()
+        out.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
