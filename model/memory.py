@@ -302,6 +302,27 @@ class MoEBlock(NamedTuple):
     largest: str  # which moment that is (moe_block's names)
 
 
+def expert_moments(held: int, E: int, e: int, d: int, a: int, Nk: int, stack_copy: int) -> dict[str, int]:
+    """The moments of the routed experts' backward (`held`: bytes beyond the saved tensors when it begins;
+    `stack_copy`: one weight stack's autocast copy). The last expert first, Nk / E rows each. Inside one: the
+    down projection's weight gradient (a*ed, a slice of its stack's) and its product's gradient, which becomes
+    the gradients of silu(gate) and up (step 2, the product and its factors freed); up's weight gradient and its
+    rows' gradient (a*d per row; step 3); silu's backward; gate's weight gradient and its rows' second gradient,
+    added into the first (step 5). An expert leaves three weight-gradient slices and its rows' gradient, and
+    frees its saved tensors; the last one frees the outputs' gradient (in its down projection) and the gathered
+    tokens (in its gate), and under autocast each stack's weight copy as its last slice is done with (down, up,
+    gate)."""
+    rows, moments = Nk // E, {}
+    for i in range(E):  # i experts done, expert E - 1 - i running
+        last = i == E - 1
+        base = held + i * (3 * a * e * d + a * d * rows - 4 * a * e * rows) - (a * d * Nk if last else 0)
+        freed = stack_copy if last else 0  # the down projection's copy; at step 5, up's too
+        moments[f"expert {E - 1 - i} step 2"] = base + a * e * d + 2 * a * e * rows - freed
+        moments[f"expert {E - 1 - i} step 3"] = base + 2 * a * e * d + a * d * rows - a * e * rows - freed
+        moments[f"expert {E - 1 - i} step 5"] = base + 3 * a * e * d + 2 * a * d * rows - 3 * a * e * rows - 2 * freed
+    return moments
+
+
 def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool, recomputed: bool) -> MoEBlock:
     """The saved tensors and backward working set of model.model.MoE, traced op by op (module docstring)."""
     d, E, k, e = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
@@ -345,12 +366,10 @@ def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool, recomputed: 
         alive = (out_grad + ((4 + a) * d * N + 4 * Nk if autocast else 0)  # flat, its cast, fp32 gate weights
                  + (-4 * N if z_loss else 4 * E * N))  # the logsumexp is not made yet / the logits are alive
         later = shared + shared_casts  # the shared experts run after the combine
-        recompute = [alive - later - a * d * Nk - (a * Nk if autocast else 0) + 2 * a * d * Nk]
-        if fs or z_loss:
-            recompute.append(alive - later + a * d * Nk + a * d * N)
-        if fs:
-            recompute.append(alive + 3 * a * d * N)
-        moments["recomputed forward"] = max(recompute)
+        moments["recomputed forward"] = max(
+            [alive - later - a * d * Nk - (a * Nk if autocast else 0) + 2 * a * d * Nk]
+            + ([alive - later + a * d * Nk + a * d * N] if fs or z_loss else [])
+            + ([alive + 3 * a * d * N] if fs else []))
     # The z-loss's nodes run first: its logits and their logsumexp go, the logits' gradient (4E per token)
     # waits for the router's.
     held = -4 * N if z_loss else 0
@@ -365,22 +384,9 @@ def moe_block(cfg: ModelConfig, N: int, a: int, accumulating: bool, recomputed: 
     # gradient in expert order; its saved order and the combine's saved tensors are freed
     moments["combine"] = held + out_grad + 2 * a * d * Nk + a * Nk
     held += a * d * Nk + 4 * Nk - combine - 8 * Nk
-    # the experts, the last first, Nk / E rows each. Inside one: the down projection's weight gradient (a*ed,
-    # a slice of its stack's) and its product's gradient, which becomes the gradients of silu(gate) and up
-    # (step 2, the product and its factors freed); up's weight gradient and its rows' gradient (a*d per row;
-    # step 3); silu's backward; gate's weight gradient and its rows' second gradient, added into the first
-    # (step 5). An expert leaves three weight-gradient slices and its rows' gradient, and frees its saved
-    # tensors; the last one frees the outputs' gradient (in its down projection) and the gathered tokens (in
-    # its gate), and under autocast each stack's weight copy as its last slice is done with (down, up, gate).
-    rows = Nk // E
+    # the experts, the last first (expert_moments)
     stack_copy = a * E * e * d if autocast else 0  # one stack's weight copy
-    for i in range(E):  # i experts done, expert E - 1 - i running
-        last = i == E - 1
-        base = held + i * (3 * a * e * d + a * d * rows - 4 * a * e * rows) - (a * d * Nk if last else 0)
-        freed = stack_copy if last else 0  # the down projection's copy; at step 5, up's too
-        moments[f"expert {E - 1 - i} step 2"] = base + a * e * d + 2 * a * e * rows - freed
-        moments[f"expert {E - 1 - i} step 3"] = base + 2 * a * e * d + a * d * rows - a * e * rows - freed
-        moments[f"expert {E - 1 - i} step 5"] = base + 3 * a * e * d + 2 * a * d * rows - 3 * a * e * rows - 2 * freed
+    moments.update(expert_moments(held, E, e, d, a, Nk, stack_copy))
     # after them: three stacks of weight-gradient slices and the rows' gradients (joined into one tensor, a*d
     # per pair: a moment with both); the outputs' gradient, gathered tokens, saved tensors and copies are gone
     held += 3 * a * E * e * d - gathered - experts - 3 * stack_copy
