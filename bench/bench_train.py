@@ -275,7 +275,7 @@ def dtypes(names: list[str], device: torch.device) -> list[tuple[str, str]]:
     return list(chosen.items())
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["tiny", "mini-30m", "minimind-26m"])
     p.add_argument("--recipe", default=None, help="measure a recipe's model, context and batch size instead "
@@ -295,7 +295,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache_dir", default=None, help="its token cache (default: beside the corpus)")
     p.add_argument("--device", default="auto", help="auto (CUDA, else MPS, else CPU) | cpu | cuda[:N] | mps")
     p.add_argument("--out", default=None, help="write the results JSON here")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def compare(results: list[tuple[ModelConfig, dict]]) -> None:
+    """Add to each row what it is against its peers, and print it: Muon against AdamW on the same model and
+    setting (what the default optimizer costs per step), a mixture of experts against the dense model of equal
+    active parameters (same dtype, compile setting and optimizer)."""
+    for cfg, row in results:
+        same = [(c, r) for c, r in results if (r["dtype"], r["compile"]) == (row["dtype"], row["compile"])]
+        adamw = next((r for c, r in same if r["preset"] == row["preset"] and r["optimizer"] == "adamw"), None)
+        if row["optimizer"] == "muon" and adamw is not None:
+            row["vs_adamw"] = {"bare_step_ratio": round(row["bare_step_s"] / adamw["bare_step_s"], 3),
+                               "loop_step_ratio": round(row["loop_step_s"] / adamw["loop_step_s"], 3)}
+            print(f"{row['preset']} ({row['dtype']}): Muon's step x{row['vs_adamw']['bare_step_ratio']} AdamW's "
+                  f"(loop x{row['vs_adamw']['loop_step_ratio']}); optimizer {row['optimizer_frac']:.0%} of the step "
+                  f"against {adamw['optimizer_frac']:.0%}", flush=True)
+        dense = next((r for c, r in same if same_compute(cfg, c) and r["optimizer"] == row["optimizer"]), None)
+        if dense is not None:
+            row["vs_dense"] = {"preset": dense["preset"], "bare_step_ratio": round(row["bare_step_s"] /
+                                                                                   dense["bare_step_s"], 3),
+                               "tokens_per_s_ratio": round(row["tokens_per_s"] / dense["tokens_per_s"], 3)}
+            print(f"{row['preset']} vs {dense['preset']} ({row['dtype']}): step time x"
+                  f"{row['vs_dense']['bare_step_ratio']}, tokens/s x{row['vs_dense']['tokens_per_s_ratio']}",
+                  flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     data = [f"--{k}={v}" for k in ("data_path", "cache_dir") if (v := getattr(args, k)) is not None]
     device = parse_device(args.device)
     gpu = device.type == "cuda"
@@ -340,25 +367,7 @@ def main(argv: list[str] | None = None) -> None:
                             row.update(dispatch_share(cfg, dtype, batch, seq, bare, args.repeats, device))
                         results.append((cfg, row))
                         print(json.dumps(row), flush=True)
-    for cfg, row in results:
-        same = [(c, r) for c, r in results if (r["dtype"], r["compile"]) == (row["dtype"], row["compile"])]
-        # Muon against AdamW on the same model and setting: what the default optimizer costs per step
-        adamw = next((r for c, r in same if r["preset"] == row["preset"] and r["optimizer"] == "adamw"), None)
-        if row["optimizer"] == "muon" and adamw is not None:
-            row["vs_adamw"] = {"bare_step_ratio": round(row["bare_step_s"] / adamw["bare_step_s"], 3),
-                               "loop_step_ratio": round(row["loop_step_s"] / adamw["loop_step_s"], 3)}
-            print(f"{row['preset']} ({row['dtype']}): Muon's step x{row['vs_adamw']['bare_step_ratio']} AdamW's "
-                  f"(loop x{row['vs_adamw']['loop_step_ratio']}); optimizer {row['optimizer_frac']:.0%} of the step "
-                  f"against {adamw['optimizer_frac']:.0%}", flush=True)
-        # MoE against dense at equal active parameters, same dtype, compile setting and optimizer
-        dense = next((r for c, r in same if same_compute(cfg, c) and r["optimizer"] == row["optimizer"]), None)
-        if dense is not None:
-            row["vs_dense"] = {"preset": dense["preset"], "bare_step_ratio": round(row["bare_step_s"] /
-                                                                                   dense["bare_step_s"], 3),
-                               "tokens_per_s_ratio": round(row["tokens_per_s"] / dense["tokens_per_s"], 3)}
-            print(f"{row['preset']} vs {dense['preset']} ({row['dtype']}): step time x"
-                  f"{row['vs_dense']['bare_step_ratio']}, tokens/s x{row['vs_dense']['tokens_per_s_ratio']}",
-                  flush=True)
+    compare(results)
     report = {"device": torch.cuda.get_device_name() if gpu else f"cpu: {cpu_model()}",
               "precision": precision_policy(device).reason, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "results": [row for _, row in results]}
