@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -120,6 +120,25 @@ def time_block(step: Callable[[Batch], None], batches: list[Batch], steps: int, 
     return (time.perf_counter() - t0) / steps
 
 
+def time_variants(steps: dict[str, Callable[..., Any]], batches: list, args: argparse.Namespace,
+                  device: torch.device) -> dict[str, list[float]]:
+    """Each variant's seconds a step, per block of args.steps steps (after args.warmup), args.repeats blocks each;
+    a warning when blocks vary so much that the machine was busy."""
+    for v in VARIANTS:
+        time_block(steps[v], batches, args.warmup, device)
+    blocks: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(args.repeats):
+        # alternating which variant goes first, so a drifting machine favours neither
+        for v in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
+            blocks[v].append(time_block(steps[v], batches, args.steps, device))
+            log(f"repeat {r + 1}/{args.repeats} {v}: {1000 * blocks[v][-1]:.1f} ms/step")
+    spread = max(max(b) / min(b) for b in blocks.values())
+    if spread > 1.5:
+        log(f"warning: block times vary up to {spread:.1f}x: the machine was busy; the medians hold while fewer "
+            "than half the blocks were disturbed, else rerun on a quiet machine")
+    return blocks
+
+
 def run(args: argparse.Namespace) -> dict:
     """Measure both variants and the one-off reference pass; the report as a JSON-ready dict."""
     # a shared machine's load skews step times: record what it was when the measurement began
@@ -159,20 +178,9 @@ def run(args: argparse.Namespace) -> dict:
     scale = float(np.mean([ref.abs().mean().item() for _, _, ref in batches]))
 
     steps = {v: make_step(policy, reference, optimizer, objective, precision, v == "recomputed") for v in VARIANTS}
-    for v in VARIANTS:
-        time_block(steps[v], batches, args.warmup, device)
-    blocks: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(args.repeats):
-        # alternating which variant goes first, so a drifting machine favours neither
-        for v in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
-            blocks[v].append(time_block(steps[v], batches, args.steps, device))
-            log(f"repeat {r + 1}/{args.repeats} {v}: {1000 * blocks[v][-1]:.1f} ms/step")
-
+    blocks = time_variants(steps, batches, args, device)
     step_s = {v: statistics.median(blocks[v]) for v in VARIANTS}
     spread = {v: max(blocks[v]) / min(blocks[v]) for v in VARIANTS}
-    if max(spread.values()) > 1.5:
-        log(f"warning: block times vary up to {max(spread.values()):.1f}x: the machine was busy; the medians hold "
-            "while fewer than half the blocks were disturbed, else rerun on a quiet machine")
     # one epoch of cached training, scaled from the measured batches by the padded positions a step computes
     width_scale = padded_positions(ds, epoch) / len(epoch) / (padded_positions(ds, chosen) / len(chosen))
     epoch_cached = len(epoch) * step_s["cached"] * width_scale
