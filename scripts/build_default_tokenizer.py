@@ -327,7 +327,8 @@ def train_mix(split: Split, targets: dict[str, float], vocab_size: int, min_freq
     return tok, drawn, seconds
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked (argparse's error and exit 2 for a value out of range)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data_path", nargs="+", required=True, metavar="F.jsonl",
                    help='JSONL files of {"text", "source", "lang"} documents (a corpus of your own, and '
@@ -363,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--val_fraction must be in [0, 1), as the trainer's")
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):
         p.error("--vocab_size must cover the 256 byte tokens plus the special tokens")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         others = {tokenizer_name(d): Tokenizer(d) for d in args.compare}
         split = read_split(args.data_path, args.heldout_percent, args.skip_bad_lines)
