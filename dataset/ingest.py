@@ -261,6 +261,33 @@ def _read(path: Path, opts: IngestOptions, stats: IngestStats, bad_lines: SkipRe
     return extracted
 
 
+def make_report(inputs: list[str], out: Path, found: int, opts: IngestOptions, stats: IngestStats,
+                clean_stats: CleanStats, bad_lines: SkipReport, heldout: int, elapsed: float) -> dict[str, Any]:
+    """What an ingest did, as <out>.report.json holds it: files by format, skips, records, languages, times."""
+    return {
+        "inputs": [str(i) for i in inputs],
+        "output": str(out),
+        "files": {"found": found, "read": sum(f.read for f in stats.formats.values()),
+                  "skipped": len(stats.skipped), "other_types": sum(stats.unsupported.values())},
+        "by_format": {fmt: fs.summary() for fmt, fs in sorted(stats.formats.items())},
+        "other_types": dict(sorted(stats.unsupported.items())),
+        "skipped": stats.skipped,
+        "pages_without_text": stats.textless_pages,
+        "bad_lines": {"total": bad_lines.total, "reasons": dict(bad_lines.counts), "first": bad_lines.examples},
+        "records": {"from_documents": clean_stats.records, "kept": clean_stats.kept,
+                    "documents_split": stats.split_documents},
+        "heldout": {"output": str(heldout_path(out)), "records": heldout} if opts.heldout else None,
+        "dropped": {r: clean_stats.dropped.get(r, 0)
+                    for r in ("empty_after_cleaning", "too_short", "exact_duplicate", "near_duplicate")},
+        "chars": {"extracted": clean_stats.chars_in, "kept": clean_stats.chars_out},
+        "languages": {lang: dict(c) for lang, c in sorted(stats.languages.items(), key=lambda kv: -kv[1]["chars"])},
+        "elapsed_s": round(elapsed, 3),
+        "extract_s": round(stats.extract_s, 3),
+        "language_s": round(stats.language_s, 3),
+        "options": asdict(opts),
+    }
+
+
 def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None, progress: bool = True,
            warn: Any = None) -> dict[str, Any]:
     """Read every file under `inputs` into `out` (atomically) and write <out>.report.json; return the report.
@@ -335,29 +362,8 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
         heldout_path(out).unlink(missing_ok=True)
         why = f"; skipped: {'; '.join(stats.skipped[:3])}" if stats.skipped else ""
         raise DataError(f"no text kept from {len(files)} files under {', '.join(map(str, inputs))}{why}")
-    elapsed = time.perf_counter() - start
-    report = {
-        "inputs": [str(i) for i in inputs],
-        "output": str(out),
-        "files": {"found": len(files), "read": sum(f.read for f in stats.formats.values()),
-                  "skipped": len(stats.skipped), "other_types": sum(stats.unsupported.values())},
-        "by_format": {fmt: fs.summary() for fmt, fs in sorted(stats.formats.items())},
-        "other_types": dict(sorted(stats.unsupported.items())),
-        "skipped": stats.skipped,
-        "pages_without_text": stats.textless_pages,
-        "bad_lines": {"total": bad_lines.total, "reasons": dict(bad_lines.counts), "first": bad_lines.examples},
-        "records": {"from_documents": clean_stats.records, "kept": clean_stats.kept,
-                    "documents_split": stats.split_documents},
-        "heldout": {"output": str(heldout_path(out)), "records": len(heldout)} if opts.heldout else None,
-        "dropped": {r: clean_stats.dropped.get(r, 0)
-                    for r in ("empty_after_cleaning", "too_short", "exact_duplicate", "near_duplicate")},
-        "chars": {"extracted": clean_stats.chars_in, "kept": clean_stats.chars_out},
-        "languages": {lang: dict(c) for lang, c in sorted(stats.languages.items(), key=lambda kv: -kv[1]["chars"])},
-        "elapsed_s": round(elapsed, 3),
-        "extract_s": round(stats.extract_s, 3),
-        "language_s": round(stats.language_s, 3),
-        "options": asdict(opts),
-    }
+    report = make_report(inputs, out, len(files), opts, stats, clean_stats, bad_lines, len(heldout),
+                         time.perf_counter() - start)
     write_atomic(report_path(out), json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return report
 
