@@ -1,7 +1,8 @@
 """Rollouts that call tools (trainer_utils/rollouts.py sample_tool_rollouts) and what the agent stage reads of its
 prompts: the token sequence is the template's, only the replies are trained, the round cap, malformed calls,
-unknown or unoffered tools, replies cut off, rollouts that outgrow the context, keyed sampling, the rewards, and
-prompt files that offer bad or unknown tools. The training runs themselves: tests/test_agent_training.py."""
+unknown or unoffered tools (prompts of one batch offering different ones), replies cut off, rollouts that outgrow
+the context (at its exact bound), keyed sampling, the policy's device and temperature, the rewards, and prompt files
+that offer bad or unknown tools. The training runs themselves: tests/test_agent_training.py."""
 from __future__ import annotations
 
 import json
@@ -37,8 +38,8 @@ def prompt_messages(question: str = "What is 2 + 3?", tools: tuple[str, ...] = (
 class Scripted:
     """Stands in for model.generate: each row's reply is its script's entry for the round it is in (the number of
     tool results its prompt holds so far), encoded with the tokenizer and ended by <|im_end|>, or cut at the
-    token budget; every sampled token's log-probability is -0.5. A script may be {text in the prompt: script}.
-    Records each call's rows and uniforms."""
+    token budget or at the first token the rollout's `stop` marks; every sampled token's log-probability is -0.5. A
+    script may be {text in the prompt: script}. Records each call's rows and uniforms."""
 
     def __init__(self, tok, script: list[str] | dict[str, list[str]], end: bool = True) -> None:
         self.tok, self.script, self.end, self.calls = tok, script, end, []
@@ -53,7 +54,10 @@ class Scripted:
                 next(v for k, v in self.script.items() if k in text)
             round_ = text.count("<tool_response>")
             ids = self.tok.encode(script[min(round_, len(script) - 1)]) + [self.tok.im_end_id] * self.end
-            out.append(ids[:max_new_tokens])
+            ids = ids[:max_new_tokens]
+            # as model.generate does: the row ends at the first token `stop` marks, which it keeps
+            ends = [k for k, t in enumerate(ids) if stop(torch.tensor([t]), torch.tensor([True]))[0]]
+            out.append(ids[:ends[0] + 1] if ends else ids)
             log_probs.append([-0.5] * len(out[-1]))
         return out
 
@@ -228,3 +232,107 @@ def test_a_row_never_outgrows_max_len_when_a_tools_result_does_not_fit(monkeypat
     assert len(inputs) + 1 <= max_len
     assert use.overflow and not use.answered and use.calls == 1 and out.finals == [""]
     assert [m["role"] for m in use.turns] == ["assistant"]  # the result that did not fit is not in the row
+
+
+def test_each_prompt_of_a_batch_runs_only_the_tools_it_offers(monkeypatch, tokenizer, model):
+    """Prompts of one batch offer different tools (in their text and as their registries): every rollout runs its
+    calls with its own prompt's tools, and a call to a tool its prompt does not offer is refused for that prompt,
+    though the batch's other prompt offers it. Two rollouts per prompt, so a row confused with its prompt shows."""
+    offered = (("calculator",), ("add_days",))
+    prompts = [tokenizer.chat_prompt(prompt_messages("What is 2 + 3?", tools)) for tools in offered]
+    tools = [{name: BUNDLED[name] for name in names} for names in offered]
+    both = call("calculator", expression="2 + 3") + "\n" + call("add_days", date="2024-01-01", days=3)
+    monkeypatch.setattr(rollouts_mod, "generate", Scripted(tokenizer, [both, "Done."]))
+    out = sample_tool_rollouts(model, prompts, 2, 128, 3, 2048, tokenizer, tools)
+    refused = {"error": "unknown tool 'add_days'; available: calculator"}, \
+        {"error": "unknown tool 'calculator'; available: add_days"}
+    expected = [[{"result": 5}, refused[0]]] * 2 + [[refused[1], {"date": "2024-01-04", "weekday": "Thursday"}]] * 2
+    assert [[json.loads(m["content"]) for m in use.turns if m["role"] == "tool"] for use in out.uses] == expected
+    assert [(use.calls, use.errors, use.answered) for use in out.uses] == [(2, 1, True)] * 4
+
+
+def reply_and_result_lengths(tok, reply: str, result: dict) -> tuple[int, int]:
+    """The tokens a reply takes (its <|im_end|> included) and those its tool's result adds after it."""
+    return len(tok.encode(reply)) + 1, len(tok.tool_results([{"role": "tool", "content": json.dumps(result)}]))
+
+
+def test_a_rollout_goes_on_while_its_results_and_next_reply_fit_exactly(monkeypatch, tokenizer, model):
+    """max_len is a bound that may be reached: the results fit when they end exactly at it (the rollout then stops,
+    as no reply fits after them), and the next reply's whole budget fits when it ends exactly at it."""
+    prompt = tokenizer.chat_prompt(prompt_messages())
+    script = [call("calculator", expression="2 + 3"), "The answer is 5."]
+    reply, result = reply_and_result_lengths(tokenizer, script[0], {"result": 5})
+    used = len(prompt) + reply + result  # after the first round
+    turns = lambda use: [m["role"] for m in use.turns]  # noqa: E731
+    for max_len, roles, overflow in ((used + reply, ["assistant", "tool", "assistant"], False),
+                                     (used + reply - 1, ["assistant", "tool"], True),
+                                     (used, ["assistant", "tool"], True), (used - 1, ["assistant"], True)):
+        # each reply's budget: the first reply's length
+        out, _, _ = rollout(monkeypatch, tokenizer, script, model, max_new_tokens=reply, max_len=max_len)
+        assert (turns(out.uses[0]), out.uses[0].overflow) == (roles, overflow), max_len
+
+
+def test_malformed_blocks_and_errors_add_up_over_rounds(monkeypatch, tokenizer, model):
+    bad = "\n<tool_call>\nnot json\n</tool_call>"
+    script = [call("weather", city="Paris") + bad, call("calculator", formula="1") + bad, "The answer is 5."]
+    out, _, _ = rollout(monkeypatch, tokenizer, script, model)
+    use = out.uses[0]
+    assert (use.calls, use.errors, use.malformed, use.answered) == (2, 2, 2, True)
+
+
+def test_a_rollout_that_ends_in_a_round_does_not_end_its_batch_mates(monkeypatch, tokenizer, model):
+    """The first row of the batch is capped (calls left at the last round), or its tools' results do not fit: the
+    row after it still gets its reply, its calls run."""
+    prompts = [tokenizer.chat_prompt(prompt_messages(q)) for q in ("What is 2 + 3?", "What is 4 + 4?")]
+    script = {"2 + 3": [call("calculator", expression="2 + 3")], "4 + 4": ["The answer is 8."]}
+    monkeypatch.setattr(rollouts_mod, "generate", Scripted(tokenizer, script))
+    out = sample_tool_rollouts(model, prompts, 1, 64, 0, 2048, tokenizer, [CALC, CALC])
+    assert out.uses[0].capped and out.finals == ["", "The answer is 8."]
+    from common.tools import Tool
+    long = {"lookup": Tool("lookup", "Look up", {"term": ("string", "")}, lambda term: {"result": "word " * 300})}
+    script = {"2 + 3": [call("lookup", term="x")], "4 + 4": [call("calculator", expression="4 + 4"), "8."]}
+    monkeypatch.setattr(rollouts_mod, "generate", Scripted(tokenizer, script))
+    out = sample_tool_rollouts(model, prompts, 1, 64, 3, len(prompts[1]) + 300, tokenizer, [long, CALC])
+    assert out.uses[0].overflow and out.finals == ["", "8."] and out.uses[1].calls == 1
+
+
+def test_tool_rollouts_need_a_key_per_row(tokenizer, model):
+    with pytest.raises(ValueError, match="^1 row keys for 2 rows$"):
+        sample_tool_rollouts(model, [[1, 2]], 2, 8, 1, 64, tokenizer, [CALC], row_keys=[(0,)])
+
+
+def test_tool_rollouts_are_made_on_the_policys_device(monkeypatch, tokenizer):
+    """The rows, the keyed numbers and the stop test on the policy's device (the "meta" device, which the CPU
+    cannot pass for)."""
+    seen = []
+    answer = tokenizer.encode("The answer is 5.") + [tokenizer.im_end_id]
+
+    def fake_generate(model, prompts, max_new_tokens, stop=None, uniforms=None, log_probs=None, **_):
+        tokens = torch.full((len(prompts),), tokenizer.im_end_id, device="meta")
+        seen.extend([uniforms.device, stop(tokens, torch.ones(len(prompts), dtype=torch.bool, device="meta")).device])
+        log_probs.extend([[-0.5] * len(answer)] * len(prompts))
+        return [answer] * len(prompts)
+
+    monkeypatch.setattr(rollouts_mod, "generate", fake_generate)
+    out = sample_tool_rollouts(torch.nn.Linear(1, 1, device="meta"), [tokenizer.chat_prompt(prompt_messages())], 1,
+                               64, 3, 2048, tokenizer, [CALC], row_keys=[(0,)])
+    rows = out.rows
+    fields = (rows.inputs, rows.positions, rows.segment, rows.targets, rows.old_log_probs, rows.members)
+    assert {t.device.type for t in fields} == {"meta"} and {d.type for d in seen} == {"meta"}
+
+
+def test_tool_rollouts_sample_from_the_policy_at_temperature_one_by_default(tokenizer):
+    """The sampler's log-probabilities, kept for the importance ratio, are the policy's own (a full forward's
+    log-softmax), or those of softmax(logits / temperature) when a temperature is given."""
+    from trainer_utils.objectives import token_log_probs
+    torch.manual_seed(0)
+    model = PocketLM(tiny_config(vocab_size=tokenizer.vocab_size, max_position_embeddings=1024)).eval()
+    prompt = tokenizer.chat_prompt(prompt_messages())
+    for temperature in (None, 2.0):
+        given = {} if temperature is None else {"temperature": temperature}
+        out = sample_tool_rollouts(model, [prompt], 1, 6, 1, 1024, tokenizer, [CALC], row_keys=[(3,)], **given)
+        inputs, targets, old = out.rows.unpacked(0)
+        with torch.no_grad():
+            logits = model(torch.tensor([inputs])) / (temperature or 1.0)
+        policy = token_log_probs(logits, torch.tensor([targets]))[0]
+        torch.testing.assert_close(torch.tensor(old), policy, atol=1e-4, rtol=0)

@@ -67,6 +67,7 @@ def test_the_teacher_gets_no_gradient_and_validation_scores_the_student_alone():
     x, y = batch()
     objective(student, (x, y), no_autocast).loss.backward()
     assert all(p.grad is None for p in teacher.parameters()) and not teacher.training
+    assert not any(p.requires_grad for p in teacher.parameters())  # frozen, not only run without gradients
     val = objective.evaluate(student, (x, y), no_autocast)
     ce = F.cross_entropy(student(x).flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
     torch.testing.assert_close(val.loss, ce)

@@ -1,12 +1,15 @@
 """Reinforcement learning's pieces, against hand-written references: the policy losses (GRPO's clipped surrogate,
-CISPO's clipped importance weight, the k3 KL), masking of prompt and padding tokens, the group-normalised
-advantages, and the checked rewards."""
+CISPO's clipped importance weight, the k3 KL; their defaults, temperature and bounds), masking of prompt and padding
+tokens, the group-normalised advantages, the checked rewards and reward models, and the rollouts packed for the
+loss."""
 from __future__ import annotations
 
 import contextlib
 import json
 import math
 import re
+import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -482,3 +485,334 @@ def test_sampled_batches_come_in_few_shapes(policy, tokenizer):
     assert int(picked.sum()) == 8 and bool((picked | ~valid).all())  # 7 valid + the first ignored position
     assert picked.flatten().nonzero()[:, 0].tolist() == [0, 4, 5, 6, 7, 8, 21, 22]
     assert int(padded_selection(valid, 64).sum()) == 30  # no more than there are
+
+
+# ------------------------------------------------------------------ rewards: bounds, specs and messages
+def test_the_tool_use_reward_pays_a_single_clean_call():
+    from trainer_utils.rewards import ToolUse
+    one = ToolUse(calls=1)
+    assert score(parse_reward("tool_use"), [Completion("The answer is 5.", 10, 64, {"answer": "5"}, one)])[0].tolist() \
+        == [1.0]
+
+
+def test_the_length_term_stays_within_minus_one_and_zero():
+    """-1 at the budget and past it (a rollout's own tokens can outnumber one reply's budget), 0 up to half of it,
+    and 0 for any completion when there is no budget to share (no division by it)."""
+    lengths = [parse_reward("length")[0].fn([completion("12", tokens=t, budget=40)])[0] for t in (0, 20, 30, 40, 80)]
+    assert lengths == pytest.approx([0, 0, -0.5, -1, -1])
+    assert parse_reward("length")[0].fn([completion("12", tokens=5, budget=0)]) == [0.0]
+
+
+def test_the_eps_of_the_advantages_only_shrinks_them():
+    """A group of two different rewards: each advantage is ±1 / (1 + eps), just under one."""
+    got = group_advantages(torch.tensor([0.0, 2.0, 5.0, 5.0]), 2)
+    assert got.tolist() == pytest.approx([-1 / (1 + 1e-4), 1 / (1 + 1e-4), 0, 0], abs=1e-7)
+    assert got.abs().max() < 1
+
+
+def test_no_terms_score_zero():
+    total, parts = score([], [completion("12"), completion("13")])
+    assert total.tolist() == [0.0, 0.0] and parts == {}
+
+
+def test_reward_specs_with_colons_and_equals_in_paths_and_blank_terms(tmp_path):
+    """A user's file may sit in a folder whose name holds ':' or '=' (the function is after the last ':', the
+    weight after the last '='); it is given the completion and the prompt's record; empty terms are skipped."""
+    folder = tmp_path / "a:b=c"
+    folder.mkdir()
+    (folder / "r.py").write_text("def right(completion, record):\n    return float(record['answer'] in completion)\n")
+    terms = parse_reward(f"exact,, {folder / 'r.py'}:right=0.5 ,format")
+    assert [(t.name, t.weight) for t in terms] == [("exact", 1.0), ("right", 0.5), ("format", 1.0)]
+    assert score(terms[1:2], [completion("It is 12"), completion("It is 13")])[1]["right"].tolist() == [1, 0]
+
+
+def test_reward_errors_say_what_went_wrong(tmp_path):
+    path = tmp_path / "fails.py"
+    path.write_text("def fails(completion, record):\n    raise ValueError('bad')\n")
+    text = "x" * 100
+    expected = (f"reward {path}:fails: fails raised ValueError: bad (on the completion '{'x' * 80}' of the record "
+                "answered '12'); the last checkpoint is intact")
+    from common.errors import TrainingError
+    with pytest.raises(TrainingError) as caught:
+        score(parse_reward(f"{path}:fails"), [completion(text)])
+    assert str(caught.value) == expected
+    for spec, message in (("exact=inf", "reward exact=inf: the weight must be finite"),
+                          (",", "a reward spec names no term"),
+                          ("exakt", "reward exakt: unknown; built in: exact, format, length, tool_call, tool_use, "
+                                    "FILE.py:FUNCTION, or a reward model's directory")):
+        with pytest.raises(ConfigError) as caught:
+            parse_reward(spec)
+        assert str(caught.value) == message
+
+
+# ------------------------------------------------------------------ a reward model directory's pieces
+def classifier_dir(path, architectures=("LlamaForSequenceClassification",)):
+    """A directory that names a sequence classifier (enough to be taken as a reward model; loaded only when used)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": list(architectures)}))
+    return path
+
+
+def test_a_reward_model_runs_where_it_is_told_and_scores_from_its_logits(tmp_path):
+    """The CPU unless told otherwise; completions go in batches of batch_size, each on the model's device (here
+    "meta", so that it cannot be the CPU by chance); one label: its logit; more: the last label's probability."""
+    from types import SimpleNamespace
+
+    transformers = pytest.importorskip("transformers")
+    from trainer_utils.rewards import RewardModel
+    d = classifier_dir(tmp_path / "rm")
+    assert RewardModel(d).device == torch.device("cpu")
+    [term] = parse_reward(str(d), device="meta")
+    rm, seen = term.fn, []
+    logits = iter([torch.tensor([[0.0, 0.0, math.log(2)], [0.0, math.log(3), 0.0]]), torch.tensor([[1.0, 2.0, 1.0]])])
+
+    class Tokenizer:  # no chat template
+        chat_template = None
+
+        def __call__(self, texts, **_):
+            seen.append(texts)
+            return transformers.BatchEncoding({"input_ids": torch.zeros(len(texts), 3, dtype=torch.long)})
+
+    def model(input_ids):
+        assert input_ids.device == torch.device("meta")
+        return SimpleNamespace(logits=next(logits))
+
+    rm.tokenizer, rm.model, rm.batch_size = Tokenizer(), model, 2
+    done = [Completion(t, 5, 40, {"prompt": "Hi?", "answer": "1"}) for t in ("a", "b", "c")]
+    e = math.e
+    assert rm(done) == pytest.approx([0.5, 0.2, 1 / (2 + e)])  # softmax's last column: 2/4, 1/5, 1/(1+e+1)
+    assert seen == [["Hi?\na", "Hi?\nb"], ["Hi?\nc"]]  # no chat template: the turns on lines of their own
+    rm.model = lambda input_ids: SimpleNamespace(logits=torch.tensor([[-2.5]] * len(input_ids)))
+    assert rm(done) == [-2.5] * 3  # one label: the logit itself
+
+
+def test_a_reward_model_is_loaded_onto_its_device(reward_model):
+    from trainer_utils.rewards import RewardModel
+    rm = RewardModel(reward_model, device="meta")  # a device the CPU cannot pass for
+    rm._load()
+    assert {p.device.type for p in rm.model.parameters()} == {"meta"} and not rm.model.training
+
+
+def test_a_reward_model_needs_transformers_and_a_classifier(tmp_path, monkeypatch):
+    from trainer_utils.rewards import RewardModel
+    d = classifier_dir(tmp_path / "rm", architectures=())
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError, match=r"not a sequence-classification model \(architectures: none\)"):
+        RewardModel(d)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ConfigError, match=rf"^reward {re.escape(str(d))} \(a reward model directory\) needs the"):
+        RewardModel(d)
+
+
+def test_a_reward_model_without_a_pad_token_scores_padded_batches_as_single_ones(reward_model, tmp_path):
+    """Its tokenizer has no pad token (GPT-2's do not): the end of text pads, and a batch of completions of
+    different lengths scores each as it scores alone. A chat longer than the tokenizer's maximum is cut to it."""
+    from trainer_utils.rewards import RewardModel
+    d = tmp_path / "no_pad"
+    shutil.copytree(reward_model, d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["pad_token"] = None
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    rm = RewardModel(d)
+    done = [Completion(text, 5, 40, {"prompt": "What is 7 + 5?", "answer": "12"})
+            for text in ("The answer is 12.", "I do not know, but it could be thirteen or more.")]
+    together = rm(done)
+    assert together == pytest.approx([rm([c])[0] for c in done], abs=1e-5)
+    assert rm.tokenizer.pad_token == rm.tokenizer.eos_token
+    rm.tokenizer.model_max_length = 6
+    cut = rm.tokenizer(rm.text(done[1]), truncation=True, return_tensors="pt")
+    assert cut["input_ids"].shape[1] == 6
+    with torch.no_grad():
+        assert rm(done[1:]) == pytest.approx([rm.model(**cut).logits[0, 0].item()], abs=1e-5)
+
+
+OWN_MODEL = """from transformers import AutoModel, LlamaConfig, LlamaForSequenceClassification, LlamaModel
+
+
+class OwnConfig(LlamaConfig):
+    model_type = "own_llama"
+
+
+class OwnModel(LlamaModel):
+    config_class = OwnConfig
+
+
+class OwnForSequenceClassification(LlamaForSequenceClassification):
+    config_class = OwnConfig
+
+
+AutoModel.register(OwnConfig, OwnModel, exist_ok=True)
+"""
+OWN_TOKENIZER = """from transformers import PreTrainedTokenizerFast
+
+
+class OwnTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def test_a_reward_model_with_code_of_its_own_is_loaded_with_it(reward_model, tmp_path, monkeypatch):
+    """A reward model directory may ship its own model and tokenizer classes as Python files (InternLM2's reward
+    model does): they are trusted, as the directory is the user's choice, and used."""
+    pytest.importorskip("transformers")
+    import transformers.dynamic_module_utils as dynamic
+
+    from trainer_utils.rewards import RewardModel
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # where transformers copies the code
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    d = tmp_path / "own_code"
+    shutil.copytree(reward_model, d)
+    (d / "modeling_own.py").write_text(OWN_MODEL)
+    (d / "tokenization_own.py").write_text(OWN_TOKENIZER)
+    model_map = {"AutoConfig": "modeling_own.OwnConfig",
+                 "AutoModelForSequenceClassification": "modeling_own.OwnForSequenceClassification"}
+    for name, changes in (
+            ("config.json", {"model_type": "own_llama", "architectures": ["OwnForSequenceClassification"],
+                             "auto_map": model_map}),
+            ("tokenizer_config.json", {"tokenizer_class": "OwnTokenizer",
+                                       "auto_map": {"AutoTokenizer": [None, "tokenization_own.OwnTokenizer"]}})):
+        config = json.loads((d / name).read_text())
+        (d / name).write_text(json.dumps({**config, **changes}))
+    rm = RewardModel(d)
+    rm._load()
+    assert (type(rm.model).__name__, type(rm.tokenizer).__name__) == ("OwnForSequenceClassification", "OwnTokenizer")
+
+
+# ------------------------------------------------------------------ rollouts: the packed layout, by hand
+def hand_rows():
+    """Two prompts; the first's group: two tokens, nothing (a rollout that ended at once), one token; the
+    second's: three tokens, the middle one a tool's result (not the policy's)."""
+    from trainer_utils.rollouts import Row
+    prompts = [[1, 2, 3], [7, 8]]
+    rows = [Row([4, 5], [True, True], [-0.1, -0.2]), Row([], [], []), Row([6], [True], [-0.3]),
+            Row([9, 10, 11], [True, False, True], [-0.4, 0.0, -0.5])]
+    return prompts, [0, 0, 0, 1], rows
+
+
+def test_packed_rows_are_laid_out_as_written_by_hand():
+    """Row 0: the first prompt but its last token, then each rollout's inputs (the prompt's last token, then its
+    own but its last) at its own positions, segment j for the j-th rollout of the row; then padding to 16
+    (segment and member -1, no target). A rollout that added nothing takes no place, and the next one goes on."""
+    from trainer_utils.rollouts import pack_rollouts
+    prompts, owner, rows = hand_rows()
+    out = pack_rollouts(prompts, owner, rows, [False] * 4, 0, torch.device("cpu"))
+    pad = 16 - 5
+    assert out.inputs.tolist() == [[1, 2, 3, 4, 3] + [0] * pad, [7, 8, 9, 10] + [0] * 12]
+    assert out.positions.tolist() == [[0, 1, 2, 3, 2] + [0] * pad, [0, 1, 2, 3] + [0] * 12]
+    assert out.segment.tolist() == [[0, 0, 1, 1, 3] + [-1] * pad, [0, 1, 1, 1] + [-1] * 12]
+    assert out.members.tolist() == [[-1, -1, 0, 0, 2] + [-1] * pad, [-1, 3, 3, 3] + [-1] * 12]
+    assert out.targets.tolist() == [[-100, -100, 4, 5, 6] + [-100] * pad, [-100, 9, -100, 11] + [-100] * 12]
+    torch.testing.assert_close(out.old_log_probs, torch.tensor([[0, 0, -0.1, -0.2, -0.3] + [0] * pad,
+                                                                [0, -0.4, 0, -0.5] + [0] * 12]))
+    assert (out.inputs.dtype, out.positions.dtype, out.old_log_probs.dtype) == (torch.long, torch.long,
+                                                                                torch.float32)
+
+
+def test_a_group_fills_a_row_up_to_pack_tokens_exactly(monkeypatch):
+    """The first group takes 2 + 2 + 0 + 1 = 5 tokens: a limit of 5 keeps it in one row, 4 splits it (the row
+    that goes on holds the prompt again)."""
+    from trainer_utils import rollouts
+    prompts, owner, rows = hand_rows()
+    monkeypatch.setattr(rollouts, "PACK_TOKENS", 5)
+    assert rollouts.pack_rollouts(prompts, owner, rows, [False] * 4, 0, torch.device("cpu")).inputs.shape[0] == 2
+    monkeypatch.setattr(rollouts, "PACK_TOKENS", 4)
+    split = rollouts.pack_rollouts(prompts, owner, rows, [False] * 4, 0, torch.device("cpu"))
+    assert split.inputs.shape[0] == 3 and split.inputs[1, :3].tolist() == [1, 2, 3]  # prompt, then rollout 2
+
+
+def test_only_keeps_the_rows_of_the_prompts_asked_for_and_trims_them(monkeypatch):
+    """Each rollout in a row of its own: the rows of prompt 0 (members 0 and 2; rollout 1 has none) or of prompt 1
+    alone, at the width their longest row needs (not their sum); the completions' own fields stay whole."""
+    from trainer_utils import rollouts
+    prompts, owner, rows = hand_rows()
+    rows[0], rows[2] = (rollouts.Row([4] * k, [True] * k, [-0.1] * k) for k in (10, 8))  # rows of 12 and 10 tokens
+    rows[3] = rollouts.Row(list(range(20, 40)), [True] * 20, [-0.1] * 20)  # prompt 1's row: 21 tokens, width 32
+    monkeypatch.setattr(rollouts, "PACK_TOKENS", 2)
+    out = rollouts.pack_rollouts(prompts, owner, rows, [False, False, False, True], 0, torch.device("cpu"))
+    assert out.inputs.shape == (4, 32)  # rollout 1 added nothing: its row holds the prompt alone
+    first = out.only([0])
+    assert first.members.amax(dim=1).tolist() == [0, 2] and first.inputs.shape == (2, 16)
+    assert (first.completions, first.truncated, first.prompt_rows) == (out.completions, out.truncated,
+                                                                      [0, 0, 0, 1])
+    assert out.only([1]).inputs.shape == (1, 32)
+    with pytest.raises(ValueError, match="^no rows left: keep at least one prompt with a rollout$"):
+        out.only([])
+
+
+def test_no_keys_draw_no_numbers():
+    from trainer_utils.rollouts import keyed_uniforms
+    assert keyed_uniforms([], 5, "cpu").shape == (0, 5)
+
+
+def test_rollouts_are_made_on_the_policys_device(monkeypatch):
+    """The rows, the keyed numbers and the stop test are on the device the policy is on (the "meta" device here,
+    so that the CPU cannot pass for it), and so is the advantages' layout."""
+    from trainer_utils import rollouts
+    seen = []
+
+    def fake_generate(model, prompts, max_new_tokens, stop=None, uniforms=None, log_probs=None, **_):
+        seen.append(uniforms.device)
+        tokens = torch.tensor([5] * len(prompts), device="meta")
+        seen.append(stop(tokens, torch.ones(len(prompts), dtype=torch.bool, device="meta")).device)
+        log_probs.extend([[-0.5, -0.5]] * len(prompts))
+        return [[4, 5]] * len(prompts)
+
+    monkeypatch.setattr(rollouts, "generate", fake_generate)
+    policy = torch.nn.Linear(1, 1, device="meta")
+    out = rollouts.sample_rollouts(policy, [[1, 2, 3]], 2, 2, [5], 0, row_keys=[(0,), (1,)])
+    fields = (out.inputs, out.positions, out.segment, out.targets, out.old_log_probs, out.members,
+              out.per_token(torch.tensor([1.0, -1.0])))
+    assert {t.device.type for t in fields} == {"meta"} and {d.type for d in seen} == {"meta"}
+
+
+def test_top_k_one_and_a_tiny_top_p_sample_the_greedy_completion(policy, tokenizer):
+    from trainer_utils.rollouts import sample_rollouts
+    prompt = tokenizer.chat_prompt([{"role": "user", "content": "Count to five."}])
+    stop, keys = tokenizer.stop_ids(chat=True), [(1, g) for g in range(2)]
+    greedy = sample_rollouts(policy, [prompt], 2, 8, stop, tokenizer.pad_id, temperature=0.0).completions
+    assert sample_rollouts(policy, [prompt], 2, 8, stop, tokenizer.pad_id, top_k=1, row_keys=keys).completions \
+        == greedy
+    assert sample_rollouts(policy, [prompt], 2, 8, stop, tokenizer.pad_id, top_p=1e-6, row_keys=keys).completions \
+        == greedy
+    assert sample_rollouts(policy, [prompt], 2, 8, stop, tokenizer.pad_id, row_keys=keys).completions != greedy
+
+
+# ------------------------------------------------------------------ the policy loss: defaults, temperature, bounds
+def test_the_default_policy_loss_is_grpo_clipped_a_fifth_either_side_of_one():
+    """PolicyGradient() is GRPO with epsilon = epsilon_high = 0.2: ratio 1.3 counts as 1.2 where A > 0, ratio 0.7
+    as 0.8 where A < 0 (rows of 3 and 2 completion tokens)."""
+    for ratio, clipped_row, bound in ((1.3, 0, 1.2), (0.7, 1, 0.8)):
+        policy = Logits()
+        out, _ = loss_and_grad(PolicyGradient(), policy, batch(policy, math.log(ratio), advantages=(2.0, -3.0)))
+        weight = [bound if row == clipped_row else ratio for row in (0, 1)]
+        assert out.loss.item() == pytest.approx(-(weight[0] * 2.0 * 3 + weight[1] * -3.0 * 2), rel=1e-5)
+    with pytest.raises(ValueError, match=r"^loss_type must be one of \('grpo', 'cispo'\), got 'ppo'$"):
+        PolicyGradient("ppo")
+
+
+def test_the_policy_is_the_tempered_softmax_and_its_entropy_is_logged():
+    """At temperature 2 the policy is softmax(logits / 2): sampled from it (old log-probs its own), every ratio is
+    one and the loss is -sum(A) = -(3 * 1 - 2 * 1). With uniform logits over V tokens each completion token's
+    entropy is ln V."""
+    policy = Logits()
+    b = list(batch(policy))
+    with torch.no_grad():
+        b[2] = token_log_probs(policy.logits / 2, b[1])
+    out, _ = loss_and_grad(PolicyGradient(temperature=2.0), policy, tuple(b))
+    assert (out.loss.item(), out.metrics["ratio"].item()) == pytest.approx((-1.0, 5.0), rel=1e-5)
+    with torch.no_grad():
+        policy.logits.zero_()
+    out, _ = loss_and_grad(PolicyGradient(), policy, batch(policy))
+    assert out.metrics["entropy"].item() == pytest.approx(5 * math.log(V), rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo"])
+def test_a_ratio_on_the_clip_bound_is_not_clipped(loss_type):
+    """Bounds of 1 - 0 and 1 + 0, and old log-probs computed as the loss computes the policy's: every ratio is
+    exactly 1, on both bounds, and none counts as clipped."""
+    policy = Logits()
+    b = list(batch(policy))
+    with torch.no_grad():
+        b[2] = torch.log_softmax(policy.logits.float(), -1).gather(-1, b[1].clamp(min=0)[..., None])[..., 0]
+    out, _ = loss_and_grad(PolicyGradient(loss_type, epsilon=0.0, epsilon_high=0.0), policy, tuple(b))
+    assert (out.metrics["ratio"].item(), out.metrics["clip_frac"].item()) == (5.0, 0.0)

@@ -11,7 +11,7 @@ import pytest
 import model.tool_use as tool_use
 from common.errors import DataError
 from common.tool_calls import ToolCall, parse_reply, same_call
-from common.tools import BUNDLED, ELEMENTS, run_tool, tool_schemas
+from common.tools import BUNDLED, ELEMENTS, Tool, run_tool, tool_schemas
 from dataset.tasks import read_task_file
 from model.scoring import TaskTotals, score_items, task_table
 from model.tool_use import run_tools
@@ -176,6 +176,64 @@ def test_schemas_are_openai_functions_with_every_parameter_required():
         assert schema["type"] == "function"
         assert function["parameters"]["required"] == list(tool.parameters)
         assert set(function["parameters"]["properties"]) == set(tool.parameters)
+
+
+# An error is what the model reads back instead of a result: each message is checked whole, as written, so that a
+# changed word, separator, limit or named argument shows.
+@pytest.mark.parametrize("tool, arguments, error", [
+    ("calculator", {"expression": "1 / 0"}, "division by zero"),
+    ("calculator", {"expression": "1 ** 65"}, "exponent or base too large"),
+    ("calculator", {"expression": "1000001 ** 1"}, "exponent or base too large"),
+    ("calculator", {"expression": "1000000 ** 64"}, "result out of range"),  # an integer past 1e15
+    ("calculator", {"expression": "1000000.0 ** 64"}, "result out of range"),  # a float past ~1.8e308
+    ("calculator", {"expression": "x + 1"}, "unsupported in an expression: x"),
+    ("convert_units", {"value": 1e308, "from_unit": "km", "to_unit": "mm"}, "result out of range"),  # infinity
+    ("convert_units", {"value": 1, "from_unit": "m", "to_unit": "kg"}, "cannot convert length (m) to mass (kg)"),
+    ("convert_units", {"value": 1, "from_unit": "parsec", "to_unit": "m"},
+     "unknown unit 'parsec' (from_unit); known: m, km, cm, mm, mi, ft, in, yd, kg, g, lb, oz, l, ml, gal, c, f, k"),
+    ("add_days", {"date": "March 3", "days": 1}, "date must be a date as YYYY-MM-DD, got 'March 3'"),
+    ("add_days", {"date": "9999-12-31", "days": 5}, "date out of range"),
+    ("days_between", {"start": "soon", "end": "2026-01-01"}, "start must be a date as YYYY-MM-DD, got 'soon'"),
+    ("days_between", {"start": "2026-01-01", "end": "later"}, "end must be a date as YYYY-MM-DD, got 'later'"),
+    ("add_days", {"date": "2026-01-01", "days": "三"}, 'add_days: days must be an integer, got "三"'),
+    ("convert_units", {"value": 1}, "convert_units takes value, from_unit, to_unit; missing from_unit, to_unit"),
+    ("calculator", {"expression": "1", "x": 2, "y": 3}, "calculator takes expression; unknown x, y"),
+    ("rm", {}, "unknown tool 'rm'; available: calculator, convert_units, add_days, days_between, lookup_element"),
+])
+def test_errors_read_back_as_written(tool, arguments, error):
+    assert result(tool, **arguments) == {"error": error}
+
+
+def test_calculator_limits_include_their_bounds():
+    """Powers up to an exponent of 64 and a base of a million, results up to 1e15, expressions up to 200
+    characters; ^ is a power."""
+    assert result("calculator", expression="1 ** 64") == {"result": 1}
+    assert result("calculator", expression="(-1000000) ** 1") == {"result": -1000000}
+    assert result("calculator", expression="10 ** 15") == {"result": 1_000_000_000_000_000}
+    assert result("calculator", expression="1" + " " * 199) == {"result": 1}
+    assert result("calculator", expression="2 ^ 10") == {"result": 1024}
+
+
+def test_every_element_is_found_by_each_of_its_names_with_or_without_the_word_element():
+    for number, symbol, english, chinese in ELEMENTS:
+        row = {"name": english, "name_zh": chinese, "symbol": symbol, "atomic_number": number}
+        for name in (symbol, symbol.upper(), english.capitalize(), f" {chinese} ", f"{chinese}元素",
+                     f"{english.capitalize()}元素", f"{symbol}元素"):
+            assert result("lookup_element", name=name) == row, name
+
+
+def test_a_tools_own_failure_is_that_calls_error_and_results_are_strict_json():
+    def broken(text: str) -> dict:
+        raise RuntimeError("boom")
+
+    registry = {"broken": Tool("broken", "Fails", {"text": ("string", "")}, broken),
+                "nan": Tool("nan", "Not a number", {}, lambda: {"result": float("nan")})}
+    assert json.loads(run_tool(ToolCall("broken", {"text": "x"}), registry)) == {
+        "error": "broken failed: RuntimeError: boom"}
+    # NaN is no JSON: a tool that returns it is a bug of the tool, never written out for the model to read
+    with pytest.raises(ValueError, match="JSON"):
+        run_tool(ToolCall("nan", {}), registry)
+    assert '"name_zh": "铁"' in run_tool(ToolCall("lookup_element", {"name": "iron"}))  # characters, not \u escapes
 
 
 # ---------------------------------------------------------------------- the tool loop
