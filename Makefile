@@ -77,6 +77,7 @@ lint: install-dev
 # the nine modules took 87 minutes on a 2-core AMD EPYC (Zen 4), 1-29 minutes each (dev/LOG.md).
 MODULES ?=
 mutate: install-dev
+	$(PIP) -r requirements-mutate.txt
 	@$(PYTEST_THREADS) $(PY) scripts/mutate.py $(MODULES)
 
 # The end-to-end pipeline on the bundled corpus within DEMO_BUDGET (10 minutes, installing included, on any machine:

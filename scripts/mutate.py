@@ -6,10 +6,11 @@ the original.
     python scripts/mutate.py                          # every module of TARGETS
     python scripts/mutate.py common/tools.py          # one (make: MODULES=common/tools.py make mutate)
 
-The tester is mutmut (pinned in requirements-dev.txt): it writes every mutant of a function into one copy of the
-module behind a switch, runs the tests once to learn which tests call which function, then forks a process per
-mutant that runs only those tests. On a 2-core AMD EPYC (Zen 4), for common/tools.py: 0.5 s a mutant, against 8.0 s
-for cosmic-ray, which rewrites the file and starts pytest afresh for each one (dev/LOG.md, 2026-12-06).
+The tester is mutmut (pinned in requirements-mutate.txt, which `make mutate` installs): it writes every mutant of a
+function into one copy of the module behind a switch, runs the tests once to learn which tests call which function,
+then forks a process per mutant that runs only those tests. On a 2-core AMD EPYC (Zen 4), for common/tools.py: 0.5 s
+a mutant, against 8.0 s for cosmic-ray, which rewrites the file and starts pytest afresh for each one (dev/LOG.md,
+2026-12-06).
 
 mutmut mutates a tree of its own (`mutants/`) beside the code it is given; it is given a copy of this checkout (its
 tracked and untracked files, ignored ones left out) in a temporary folder, so the working tree is never touched.
