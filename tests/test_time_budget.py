@@ -237,8 +237,8 @@ def test_a_run_without_a_budget_is_not_resumed_with_one(corpus, tmp_path, capsys
 
 
 @pytest.mark.parametrize("cost,ends", [(3.0, "earlier"), (0.5, "later")])
-def test_a_slower_or_faster_machine_is_replanned_to_end_within_the_budget(corpus, tmp_path, monkeypatch, cost,
-                                                                           ends):
+def test_a_slower_or_faster_machine_is_replanned_to_end_within_the_budget(corpus, tmp_path, monkeypatch, capsys,
+                                                                           cost, ends):
     # 1 s a step while the probe measures, then `cost` from step 10 on
     clock = virtual_clock(monkeypatch, lambda step: 1.0 if step < 10 else cost)
     started = clock.now
@@ -248,6 +248,10 @@ def test_a_slower_or_faster_machine_is_replanned_to_end_within_the_budget(corpus
     last = read_metrics(tmp_path / "run")[-1]
     assert events and events[0]["planned_steps"] == 35
     assert (last["step"] < 35) if ends == "earlier" else (last["step"] > 35)
+    first = events[0]
+    assert (f"time budget: steps take {first['step_time_s']:.3g} s (planned 1 s) with "
+            f"{budget_mod.format_duration(first['spent_s'])} of 40.0s spent: ending at step {first['steps']} instead "
+            "of 35, the learning-rate decay completing there") in capsys.readouterr().err
     assert last["step"] == events[-1]["steps"]
     spent = clock.now - started
     assert 0.90 * 40 <= spent <= 40, spent  # the goal: 90-105% of the budget; with virtual time, within it
@@ -259,11 +263,18 @@ def test_a_slower_or_faster_machine_is_replanned_to_end_within_the_budget(corpus
 
 
 def test_a_replan_that_stops_now_makes_this_step_the_last_with_its_evaluation_and_checkpoint(corpus, tmp_path,
-                                                                                              monkeypatch):
-    virtual_clock(monkeypatch, lambda step: 25.0 if step == 9 else 1.0)  # step 9 hangs for 25 s: 36 s spent
+                                                                                              monkeypatch, capsys):
+    hang = 24.87654321  # step 9 hangs: 3 s of probe + 8 steps + this = 35.87654321 s of 40 spent
+    virtual_clock(monkeypatch, lambda step: hang if step == 9 else 1.0)
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "run")) == 0
     [event] = [r for r in strict_records(tmp_path / "run") if r.get("event") == "time_budget"]
-    assert (event["step"], event["planned_steps"], event["steps"]) == (9, 35, 9)
+    # the recent step time (since step 8's mark) is the hang itself, 25x the run's: a slow-down, acted on at once
+    assert {k: v for k, v in event.items() if k != "time"} == {
+        "step": 9, "event": "time_budget", "planned_steps": 35, "steps": 9, "step_time_s": 24.876543, "spent_s": 35.877}
+    assert ("time budget: steps take 24.9 s (planned 1 s) with 35.9s of 40.0s spent: stopping now, at step 9 of 35"
+            in capsys.readouterr().err)
+    replans = read_train_info(latest_checkpoint(tmp_path / "run"))["time_budget"]["replans"]
+    assert replans == [{"step": 9, "steps": 9, "step_s": 24.876543, "spent_s": 35.877}]
     assert [r["step"] for r in strict_records(tmp_path / "run") if "val_loss" in r] == [9]  # not a multiple of 10
     assert latest_checkpoint(tmp_path / "run").name.endswith("step_00000009")
 
