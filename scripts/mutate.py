@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import mutmut  # noqa: F401
     except ImportError:
-        parser.error("mutmut is not installed: `make install-dev` installs it (requirements-dev.txt)")
+        parser.error("mutmut is not installed: `make mutate` installs it (pip install -r requirements-mutate.txt)")
     scores = [mutate(m, TARGETS[m], args.jobs, args.keep) for m in args.modules or TARGETS]
     print(f"\n{'module':<36} {'mutants':>7} {'killed':>6} {'survived':>8} {'timeout':>7} {'equiv':>5} "
           f"{'score':>6} {'minutes':>7}")

@@ -172,8 +172,7 @@ def make_plan(budget_s: float, spent_s: float, costs: Costs, limit: int, eval_in
         one = plan.time_for(0, 1, costs.step_s) + costs.first_extra_s
         raise TrainingError(f"--time_budget {format_duration(budget_s)} leaves no time to train: setting up takes "
                             f"{format_duration(spent_s + costs.start_s)}, and one step with its evaluation and "
-                            f"checkpoint takes "
-                            f"{format_duration(one)}; give a longer budget")
+                            f"checkpoint takes {format_duration(one)}; give a longer budget")
     return plan
 
 

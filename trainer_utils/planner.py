@@ -213,18 +213,16 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | None = Non
         seq = seq_len or cfg.max_seq_len
         # the batch the command line trains with: the largest that fits (memory judged at that batch); a GPU times
         # that batch, a CPU one sequence, scaled (its forward and backward grow with the batch, its update does not)
-        batches = BATCHES if device.type == "cuda" else CPU_BATCHES
-        fitting = [b for b in batches if estimate_memory(cfg, b, seq, choice.dtype, optimizer=OPTIMIZER).peak
-                   <= MEMORY_SHARE * memory]
+        batches = BATCHES if device.type == "cuda" else CPU_BATCHES  # both end at 1
+        peaks = {b: estimate_memory(cfg, b, seq, choice.dtype, optimizer=OPTIMIZER).peak for b in batches}
+        fitting = [b for b in batches if peaks[b] <= MEMORY_SHARE * memory]
         if not fitting:
-            e = estimate_memory(cfg, 1, seq, choice.dtype, optimizer=OPTIMIZER)
-            rows.append(PresetRow(name, cfg.num_parameters(), 1, seq, None, False, e.peak, False, False))
+            rows.append(PresetRow(name, cfg.num_parameters(), 1, seq, None, False, peaks[1], False, False))
             continue
         batch = fitting[0]
         timed_batch = batch if device.type == "cuda" else CPU_BATCH
         fb_flops = flops_per_token(cfg, seq) * timed_batch * seq
         ns_flops = newton_schulz_flops(cfg, precision_policy(device).newton_schulz_steps)
-        estimate = estimate_memory(cfg, batch, seq, choice.dtype, optimizer=OPTIMIZER).peak
         if last is not None and (fb_flops / last[0] + ns_flops / last[1]) * 3 > max_step_s:  # too long to time
             t, measured, peak = StepTime(fb_flops / last[0], ns_flops / last[1], None), False, None
         else:
@@ -233,7 +231,7 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | None = Non
             last = (fb_flops / t.backward_s, ns_flops / max(t.update_s, 1e-9) if ns_flops else float("inf"))
         rows.append(PresetRow(name, cfg.num_parameters(), batch, seq,
                               batch * seq / t.step_s(batch / timed_batch), measured,
-                              peak if peak is not None else estimate, peak is not None, True))
+                              peak if peak is not None else peaks[batch], peak is not None, True))
     for row in rows:
         if row.fits:
             buy(row, budget_s, n_data)
@@ -275,10 +273,10 @@ def why(best: PresetRow | None, rows: list[PresetRow], n_data: int | None) -> st
     elif tpp > TOKENS_PER_PARAMETER * 4:
         larger = sorted((r for r in rows if r.parameters > best.parameters), key=lambda r: r.parameters)
         too_big = [r.name for r in larger if not r.fits]
+        nxt = next((r for r in larger if r.fits), None)
         if too_big:
             text += f"; {', '.join(too_big)} {'does' if len(too_big) == 1 else 'do'} not fit in memory"
-        if any(r.fits for r in larger):  # nearer the rule by tokens, yet farther by ratio
-            nxt = next(r for r in larger if r.fits)
+        if nxt is not None:  # nearer the rule by tokens, yet farther by ratio
             text += (f"; the next larger that fits, {nxt.name}, would train {nxt.tokens_per_parameter:.3g} tokens "
                      "per parameter, farther from it")
         elif not larger:

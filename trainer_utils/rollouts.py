@@ -260,9 +260,13 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     stop_ids = codec.stop_ids(True)
     stops = torch.tensor(stop_ids, device=device)
     active = list(range(len(owner)))
+
+    def overflows(r: int, more: int) -> bool:  # whether rollout r's row would pass max_len with `more` tokens
+        return len(prompts[owner[r]]) + len(rows[r].ids) + more > max_len
+
     for round_ in range(max_rounds + 1):
         for r in active:
-            uses[r].overflow = len(prompts[owner[r]]) + len(rows[r].ids) + max_new_tokens > max_len
+            uses[r].overflow = overflows(r, max_new_tokens)
         active = [r for r in active if not uses[r].overflow]
         if not active:
             break
@@ -294,7 +298,7 @@ def sample_tool_rollouts(model: torch.nn.Module, prompts: Sequence[Sequence[int]
             use.errors += sum("error" in json.loads(result) for result in results)
             messages = [{"role": "tool", "content": result} for result in results]
             observed = codec.tool_results(messages)
-            if len(prompts[owner[r]]) + len(row.ids) + len(observed) > max_len:
+            if overflows(r, len(observed)):
                 use.overflow = True  # the results do not fit: the row stays within max_len, unanswered
                 continue
             use.turns += messages
