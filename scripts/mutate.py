@@ -5,6 +5,7 @@ the original.
 
     python scripts/mutate.py                          # every module of TARGETS
     python scripts/mutate.py common/tools.py          # one (make: MODULES=common/tools.py make mutate)
+    python scripts/mutate.py dataset/ingest.py --only _pieces x_split_document__mutmut_7   # functions or mutants
 
 The tester is mutmut (pinned in requirements-mutate.txt, which `make mutate` installs): it writes every mutant of a
 function into one copy of the module behind a switch, runs the tests once to learn which tests call which function,
@@ -130,7 +131,8 @@ OBJECTIVES_EQUIVALENT = (
 TOOL_TESTS = ("tests/test_tools.py", "tests/test_agent.py", "tests/test_properties.py")
 RL_TESTS = ("tests/test_rl.py", "tests/test_agent.py")
 TARGETS: dict[str, Target] = {
-    "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_properties.py")),
+    "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_budget_plan.py",
+                                       "tests/test_properties.py")),
     "trainer_utils/components/budget.py": Target(("tests/test_time_budget.py",)),
     "trainer_utils/planner.py": Target(("tests/test_planner.py",)),
     "trainer_utils/rollouts.py": Target(RL_TESTS, ROLLOUTS_EQUIVALENT),
@@ -139,7 +141,7 @@ TARGETS: dict[str, Target] = {
                                            "tests/test_distillation.py", "tests/test_stages.py"),
                                           OBJECTIVES_EQUIVALENT),
     "dataset/ingest.py": Target(("tests/test_ingest.py", "tests/test_properties.py")),
-    "dataset/extract.py": Target(("tests/test_ingest.py",)),
+    "dataset/extract.py": Target(("tests/test_ingest.py", "tests/test_extract.py")),
     "common/tools.py": Target(TOOL_TESTS, TOOLS_EQUIVALENT),
 }
 
@@ -265,8 +267,10 @@ class Score:
         return 100.0 * (self.killed + self.timed_out) / counted if counted else 100.0
 
 
-def report(module: str, mutants: list[Mutant], equivalent: tuple[Equivalent, ...], seconds: float) -> Score:
-    """Print the module's counts and survivors; its score."""
+def report(module: str, mutants: list[Mutant], equivalent: tuple[Equivalent, ...], seconds: float,
+           whole: bool = True) -> Score:
+    """Print the module's counts and survivors; its score. Of a `whole` module's run, also the declared
+    equivalents that no survivor matches any more."""
     survivors = [m for m in mutants if m.status not in ("killed", "timeout")]
     matched: set[tuple[str, str]] = set()  # (function, fragment) pairs that named a survivor
 
@@ -286,8 +290,8 @@ def report(module: str, mutants: list[Mutant], equivalent: tuple[Equivalent, ...
           f"({seconds / 60:.1f} min)")
     for m in alive:
         note = "" if m.status == "survived" else f"  [{m.status}]"
-        print(f"  {module}:{m.line} {m.function}: {m.before}  ->  {m.after or '(removed)'}{note}")
-    for e in equivalent:
+        print(f"  {module}:{m.line} {m.function}: {m.before}  ->  {m.after or '(removed)'}{note}  [{short_name(m)}]")
+    for e in equivalent if whole else ():
         for fragment in e.mutants:
             if (e.function, fragment) not in matched:
                 print(f"  note: no survivor of {e.function} matches the equivalent {fragment!r} any more; drop it")
@@ -295,9 +299,22 @@ def report(module: str, mutants: list[Mutant], equivalent: tuple[Equivalent, ...
 
 
 # ---------------------------------------------------------------------- running
-def mutate(module: str, target: Target, jobs: int, keep: bool) -> Score:
-    """Copy the checkout, run mutmut on one module there, report; the copy is removed unless `keep` (or mutmut
-    failed: its log is then kept and named)."""
+def mutant_pattern(only: str) -> str:
+    """mutmut's name pattern for a mutant named as the report prints it (x_split__mutmut_7), or for the mutants of a
+    function ("Class.method" for a method)."""
+    if "__mutmut_" in only:
+        return f"*.{only}"
+    owner, _, name = only.rpartition(".")
+    return f"*.x{'ǁ' + owner + 'ǁ' if owner else '_'}{name}__mutmut_*"
+
+
+def short_name(m: Mutant) -> str:
+    return m.name.rpartition(".")[2]
+
+
+def mutate(module: str, target: Target, jobs: int, keep: bool, only: tuple[str, ...] = ()) -> Score:
+    """Copy the checkout, run mutmut on one module there (on the mutants `only` names alone when given: functions
+    or mutants), report; the copy is removed unless `keep` (or mutmut failed: its log is then kept and named)."""
     start = time.monotonic()
     copy = Path(tempfile.mkdtemp(prefix="pocketlm-mutate-"))
     copy_checkout(copy)
@@ -306,12 +323,13 @@ def mutate(module: str, target: Target, jobs: int, keep: bool) -> Score:
     log = copy / "mutmut.log"
     print(f"{module}: mutmut on {', '.join(target.tests)} (in {copy}, log mutmut.log)", flush=True)
     with open(log, "w") as out:
-        done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)], cwd=copy,
-                              stdout=out, stderr=subprocess.STDOUT)
+        done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs),
+                               *map(mutant_pattern, only)], cwd=copy, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0 or not (copy / "mutants" / f"{module}.meta").is_file():
         tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-30:]
         raise SystemExit(f"mutmut failed on {module} (exit {done.returncode}); the end of {log}:\n" + "\n".join(tail))
-    score = report(module, read_mutants(copy, module), target.equivalent, time.monotonic() - start)
+    mutants = [m for m in read_mutants(copy, module) if not only or m.function in only or short_name(m) in only]
+    score = report(module, mutants, target.equivalent, time.monotonic() - start, whole=not only)
     if keep:
         print(f"  kept: {copy} (`python -m mutmut show NAME` there shows a mutant)")
     else:
@@ -324,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("modules", nargs="*", help=f"modules to mutate (default: all of {', '.join(TARGETS)})")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
     parser.add_argument("--keep", action="store_true", help="keep each module's copy (to inspect its mutants)")
+    parser.add_argument("--only", nargs="+", default=(),
+                        help='only these mutants (as the report names them) or functions\' ("Class.method" for a '
+                             "method), to check them again after a new test")
     parser.add_argument("--fail_under", type=float, default=None,
                         help=f"exit 1 when a module scores below this percentage (the goal: {GOAL:g})")
     args = parser.parse_args(argv)
@@ -337,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         import mutmut  # noqa: F401
     except ImportError:
         parser.error("mutmut is not installed: `make mutate` installs it (pip install -r requirements-mutate.txt)")
-    scores = [mutate(m, TARGETS[m], args.jobs, args.keep) for m in args.modules or TARGETS]
+    if args.only and len(args.modules) != 1:
+        parser.error("--only needs exactly one module")
+    scores = [mutate(m, TARGETS[m], args.jobs, args.keep, tuple(args.only)) for m in args.modules or TARGETS]
     print(f"\n{'module':<36} {'mutants':>7} {'killed':>6} {'survived':>8} {'timeout':>7} {'equiv':>5} "
           f"{'score':>6} {'minutes':>7}")
     for s in scores:
