@@ -130,11 +130,17 @@ OBJECTIVES_EQUIVALENT = (
 
 TOOL_TESTS = ("tests/test_tools.py", "tests/test_agent.py", "tests/test_properties.py")
 RL_TESTS = ("tests/test_rl.py", "tests/test_agent.py")
+PLANNER_EQUIVALENT = (
+    Equivalent("time_steps", ("(0.9, 0.95), None, device)", "(0.9, 0.95), 1.9, device)"),
+               "build_optimizer reads momentum only for SGD; Muon's is muon_momentum (0.95): the same optimizer"),
+    Equivalent("plan", ('choose_dtype("auto", device, )',), 'choose_dtype\'s purpose defaults to "train"'),
+    Equivalent("plan", ('float("INF")',), 'float() reads "INF" as infinity, as it reads "inf"'),
+)
 TARGETS: dict[str, Target] = {
     "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_budget_plan.py",
                                        "tests/test_properties.py")),
     "trainer_utils/components/budget.py": Target(("tests/test_time_budget.py",)),
-    "trainer_utils/planner.py": Target(("tests/test_planner.py",)),
+    "trainer_utils/planner.py": Target(("tests/test_planner.py",), PLANNER_EQUIVALENT),
     "trainer_utils/rollouts.py": Target(RL_TESTS, ROLLOUTS_EQUIVALENT),
     "trainer_utils/rewards.py": Target(RL_TESTS, REWARDS_EQUIVALENT),
     "trainer_utils/objectives.py": Target(("tests/test_objectives.py", "tests/test_rl.py", "tests/test_dpo.py",

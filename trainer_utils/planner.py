@@ -284,7 +284,7 @@ def why(best: PresetRow | None, rows: list[PresetRow], n_data: int | None) -> st
     return text
 
 
-def command(best: PresetRow, budget: str, data_path: str | None, device: torch.device) -> str:
+def command(best: PresetRow, budget: str, data_path: str | None) -> str:
     """The train_pretrain.py line that trains the recommendation in the budget."""
     batch = best.batch_size
     epochs = max(1, min(MAX_EPOCHS, math.ceil(best.epochs))) if best.epochs else None
@@ -328,7 +328,7 @@ def main(budget: str, device: str, data_path: str | None, presets: list[str] | N
     print(table(rows, best))
     print(f"recommended: {reason}")
     if best is not None:
-        print(f"  {command(best, budget, data_path, parse_device(device))}")
+        print(f"  {command(best, budget, data_path)}")
     print("tokens/s: measured by timing training steps here (est.: scaled from the last measured preset's FLOP rate); "
           "peak memory: model/memory.py's estimate (est.), measured on CUDA")
     return 0
