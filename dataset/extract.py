@@ -229,13 +229,13 @@ def block_text(root: Any) -> str:
     is changed: read it once)."""
     import lxml.etree
 
-    for bad in root.iter("script", "style", "head"):
+    for bad in list(root.iter("script", "style", "head")):  # listed first: a drop ends a walk inside it
         bad.drop_tree()
     for el in root.iter():
         tag = el.tag.rsplit("}", 1)[-1] if isinstance(el.tag, str) else ""
         if tag in _BLOCKS:
             el.tail = "\n" + (el.tail or "")
-            if tag != "pre" and el.text:
+            if el.text:  # a <pre> too: "Run<pre>make" once read "Runmake"
                 el.text = "\n" + el.text
     lines = (re.sub(r"[ \t]+", " ", line).strip() if "\n" not in line else line
              for line in lxml.etree.tostring(root, method="text", encoding="unicode", with_tail=False).split("\n"))

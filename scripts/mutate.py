@@ -136,6 +136,50 @@ PLANNER_EQUIVALENT = (
     Equivalent("plan", ('choose_dtype("auto", device, )',), 'choose_dtype\'s purpose defaults to "train"'),
     Equivalent("plan", ('float("INF")',), 'float() reads "INF" as infinity, as it reads "inf"'),
 )
+EXTRACT_EQUIVALENT = (
+    Equivalent("decode_text", ('encoding or "UTF-8"',), "codec names are case-insensitive: UTF-8 is the utf-8 codec"),
+    Equivalent("_slug", ('.encode("ASCII", "ignore")', '.strip("XX-XX")'),
+               "codec names are case-insensitive; strip takes a set of characters and a lower-cased slug holds no X"),
+    Equivalent("prepare_page", ('else "XXXX", _slug',),
+               'a slug is lower-case: "XXXX" neither equals the id\'s slug nor ends in "-" + it, just as "" does not'),
+    Equivalent("_frame_body", ('getattr(xpaths, "BODY_XPATH", )',),
+               "the installed trafilatura has BODY_XPATH: the None default only serves versions without it"),
+    Equivalent("_frame_body", ("(callable(f)) or True", "tree.xpath(None)"),
+               "the installed trafilatura's BODY_XPATH holds compiled XPaths, all callable: the string branch never "
+               "runs"),
+    Equivalent("_frame_body", ('makeelement("main", None)', 'makeelement("main", )'),
+               "lxml reads attrib None (or none given) as no attributes, like {}"),
+    Equivalent("read_html", ('"&AMP;"',),
+               "&AMP; is an HTML5 named reference for & too: trafilatura's unescape gives back the same &"),
+    Equivalent("read_html", ("include_comments=None", "deduplicate=None", "include_comments=False, deduplicate=False)",
+                             "include_tables=True, )"),
+               "trafilatura.extract reads its flags as truth values (None is False); its defaults are "
+               "include_tables=True, deduplicate=False"),
+    Equivalent("block_text", ('rsplit("}", )', 'tag.split("}", 1)', 'rsplit("}", 2)'),
+               'a Clark-notation tag holds one "}" (lxml ends the namespace at the first): every split gives the same '
+               'name'),
+    Equivalent("block_text", ('else "XXXX"',), '"XXXX" is no block tag, as "" is not (comments stay no block)'),
+    Equivalent("block_text", (r'("\n" not in line) or True', r'"XX\nXX" not in line'),
+               'the lines come from split("\\n"): none holds "\\n", the else branch is dead (the <pre> bug reported)'),
+    Equivalent("block_text", ("with_tail=None", 'method="TEXT"', 'encoding="UNICODE"'),
+               "lxml reads with_tail as a truth value (None is False), method and encoding names case-insensitively"),
+    Equivalent("join_wrapped_lines", ("_CJK.match(line[:2])",),
+               "re.match anchors at the slice's first character: line[:2] starts with CJK exactly when line[:1] is "
+               "CJK"),
+    Equivalent("read_pdf", (r'replace("XX\r\nXX", "\n")',),
+               "the next replace makes each CR LF two line breaks, and the empty line between them is dropped"),
+    Equivalent("read_pdf", ("raise Unreadable(None)", '"XXa PDF with no pagesXX"', '"a pdf with no pages"',
+                            '"A PDF WITH NO PAGES"'),
+               "unreachable: PDFium refuses to open a document with no pages (Failed to load document)"),
+    Equivalent("read_epub", ("options=None", "read_epub(str(path), )", '"XXignore_ncxXX": True', '"IGNORE_NCX": True'),
+               "ebooklib's own default is ignore_ncx=True (EpubReader.DEFAULT_OPTIONS)"),
+    Equivalent("read_docx", ("raise Unreadable(None) from None", "XXnot a Word .docx file", "not a word .docx file",
+                             "NOT A WORD .DOCX FILE"),
+               "unreachable: python-docx raises PackageNotFoundError only for a non-zip path, which _check_zip "
+               "refused"),
+    Equivalent("extract_file", ("read_jsonl(path, None, skip_bad_lines, report)",),
+               "read_jsonl takes encoding only for the readers' common signature and never reads it"),
+)
 TARGETS: dict[str, Target] = {
     "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_budget_plan.py",
                                        "tests/test_properties.py")),
@@ -147,7 +191,7 @@ TARGETS: dict[str, Target] = {
                                            "tests/test_distillation.py", "tests/test_stages.py"),
                                           OBJECTIVES_EQUIVALENT),
     "dataset/ingest.py": Target(("tests/test_ingest.py", "tests/test_properties.py")),
-    "dataset/extract.py": Target(("tests/test_ingest.py", "tests/test_extract.py")),
+    "dataset/extract.py": Target(("tests/test_ingest.py", "tests/test_extract.py"), EXTRACT_EQUIVALENT),
     "common/tools.py": Target(TOOL_TESTS, TOOLS_EQUIVALENT),
 }
 
