@@ -180,10 +180,31 @@ EXTRACT_EQUIVALENT = (
     Equivalent("extract_file", ("read_jsonl(path, None, skip_bad_lines, report)",),
                "read_jsonl takes encoding only for the readers' common signature and never reads it"),
 )
+PLAN_EQUIVALENT = (
+    Equivalent("BudgetPlan.fit", ("time_for(after, hi, step_s) < seconds",),
+               "the early return only skips the bisection, which finds the limit too when it fits exactly "
+               "(time_for never falls as the end grows)"),
+    Equivalent("BudgetPlan.fit", ("(lo + hi + 2) // 2",),
+               "mid stays within lo+1..hi while lo < hi: still a bisection over a non-decreasing time_for, to the "
+               "same step"),
+    Equivalent("make_plan", ("budget_s=budget_s, steps=1,", "budget_s=budget_s, steps=None,"),
+               "the steps are set from plan.fit on the next line; nothing reads them before (fit and time_for do "
+               "not)"),
+    Equivalent("replan", ("at <= LOW * plan.budget_s and", "at < LOW / plan.budget_s", "end > plan.limit"),
+               "the clause only saves a search: an early end already at the limit fits, so fit finds the limit "
+               "again and new_end == end keeps the plan (an end exactly at LOW is kept by the band's own test)"),
+)
+GUARD_EQUIVALENT = (
+    Equivalent("TimeBudgetGuard.run", ("end >= plan.end and", "end is None or end < plan.end"),
+               "replan returns None rather than the plan's own end: an end it returns is never equal to plan.end"),
+    Equivalent("TimeBudgetGuard.run", ("step_s <= cautious",),
+               "when the step time is already the cautious one, planning again with it gives the same end (replan "
+               "is pure), which passes the same checks"),
+)
 TARGETS: dict[str, Target] = {
     "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_budget_plan.py",
-                                       "tests/test_properties.py")),
-    "trainer_utils/components/budget.py": Target(("tests/test_time_budget.py",)),
+                                       "tests/test_properties.py"), PLAN_EQUIVALENT),
+    "trainer_utils/components/budget.py": Target(("tests/test_time_budget.py",), GUARD_EQUIVALENT),
     "trainer_utils/planner.py": Target(("tests/test_planner.py",), PLANNER_EQUIVALENT),
     "trainer_utils/rollouts.py": Target(RL_TESTS, ROLLOUTS_EQUIVALENT),
     "trainer_utils/rewards.py": Target(RL_TESTS, REWARDS_EQUIVALENT),
@@ -255,6 +276,8 @@ def write_config(copy: Path, module: str, tests: tuple[str, ...]) -> None:
         f"only_mutate = {module}\n"
         f"pytest_add_cli_args_test_selection ={listed(tests)}\n"
         "pytest_add_cli_args = -p no:cacheprovider\n"
+        # a mutant that loops forever waits out (estimate + 1) * multiplier CPU seconds: 3, not mutmut's 15
+        "timeout_multiplier = 3\n"
         "use_git_change_detection = false\n")
 
 

@@ -1,10 +1,13 @@
 """--time_budget: durations, the plan's arithmetic, the schedule's re-plan, a budget run against --max_steps N,
-resume of the recorded plan, re-planning when the machine slows down or speeds up, and bad values."""
+resume of the recorded plan, re-planning when the machine slows down or speeds up, the guard's decisions at their
+edges (without training: its recent window, the slow-down test and the rule for planning longer), and bad values.
+The plan's arithmetic by itself, in more detail: tests/test_budget_plan.py."""
 from __future__ import annotations
 
 import json
 import math
 import time as real_time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from trainer_utils import metrics as metrics_mod
 from trainer_utils.backend import Backend, Comm
 from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
 from trainer_utils.checkpoint import latest_checkpoint
+from trainer_utils.components.budget import TimeBudgetGuard
 from trainer_utils.components.evaluation import Evaluation
 from trainer_utils.optim import WarmupCosine
 from trainer_utils.session import Session
@@ -315,6 +319,153 @@ def test_the_plan_round_trips_through_a_checkpoint_dict():
     plan.replans.append({"step": 10, "steps": 400, "step_s": 1.2, "spent_s": 50.0})
     again = BudgetPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan and again.end == 400
+
+
+# ------------------------------------------------------------------------ the guard alone, one look at a time
+# The guard's decisions at their edges, without training: a run is its first mark (training seconds, step) and the
+# looks the loop would have it take. A 100-s budget: the recent step time is measured over 5 s (WINDOW_SHARE), the
+# band is [94, 99.5] s and a re-plan aims at 97 s. Steps are the only cost.
+def guard_plan(steps: int, limit: int, check_every: int = 1) -> BudgetPlan:
+    return BudgetPlan(budget_s=100.0, steps=steps, limit=limit, step_s=1.0, first_extra_s=0.0, eval_s=0.0,
+                      save_s=0.0, eval_interval=10**6, save_interval=10**6, setup_s=0.0, check_every=check_every)
+
+
+class GuardRun:
+    """A TimeBudgetGuard on a fake run: the clocks and step are set by the test, the backend is one rank, and the
+    loop's re-plans, records and messages are kept."""
+
+    def __init__(self, plan: BudgetPlan | None) -> None:
+        self.elapsed, self.spent, self.ends, self.records, self.messages = 0.0, 0.0, [], [], []
+        self.ctx = SimpleNamespace(
+            plan=plan, budget_clock=SimpleNamespace(spent=lambda: self.spent), state=SimpleNamespace(step=0),
+            clock=SimpleNamespace(elapsed=lambda: self.elapsed), backend=SimpleNamespace(slowest=list),
+            control=SimpleNamespace(replan=self.ends.append),
+            logger=SimpleNamespace(log=self.records.append, message=self.messages.append))
+        self.guard = TimeBudgetGuard(self.ctx)
+        self.guard.start(self.ctx)
+
+    def step(self, elapsed: float, step: int, spent: float = 0.0) -> None:
+        """As the loop does after an optimizer step, before the components that are due run."""
+        self.elapsed, self.ctx.state.step, self.spent = elapsed, step, spent
+        self.guard.after_step(self.ctx, None)
+
+    def look(self, elapsed: float, step: int, spent: float) -> None:
+        """A step at which the guard is due, and runs."""
+        self.step(elapsed, step, spent)
+        assert self.guard.due(step, self.ctx.plan.end)
+        self.guard.run(self.ctx)
+
+
+def guard_ends(plan: BudgetPlan, *looks: tuple[float, int, float]) -> list[int]:
+    """The ends the guard re-plans `plan` to: its first mark after step 1 at 2 s of training (the first step's
+    extra), then a look at each (training seconds, step, budget seconds spent)."""
+    run = GuardRun(plan)
+    run.step(2.0, 1)
+    for look in looks:
+        run.look(*look)
+    return run.ends
+
+
+def test_the_guard_looks_every_check_every_steps_after_its_first_mark_and_before_the_last():
+    run = GuardRun(guard_plan(steps=10, limit=10, check_every=3))
+    assert not run.guard.due(3, 10)  # no mark yet: the first step has not been measured
+    run.step(2.0, 1)
+    assert [s for s in range(1, 11) if run.guard.due(s, 10)] == [3, 6, 9]  # not 10: nothing left to plan there
+    assert not run.guard.due(9, 9)
+    every = GuardRun(guard_plan(steps=10, limit=10))
+    every.step(2.0, 1)
+    assert [s for s in range(1, 11) if every.guard.due(s, 10)] == list(range(2, 10))  # not the first mark's step
+    alone = GuardRun(None)  # no budget: no guard
+    alone.step(2.0, 1)
+    assert not [s for s in range(1, 11) if alone.guard.due(s, 10)] and alone.guard.describe() == {}
+    plan = guard_plan(steps=10, limit=10)
+    assert GuardRun(plan).guard.describe() == {"time_budget": plan.to_dict()}
+
+
+def test_the_recent_window_starts_at_the_newest_mark_far_enough_back():
+    guard = GuardRun(guard_plan(steps=100, limit=100)).guard
+    guard.marks[:] = [(2.0, 1), (10.0, 41), (18.0, 81)]  # (training seconds, step)
+    assert guard.since(20.0, 5.0) == (10.0, 41)  # 18 is 2 s back, 10 is 10 s back
+    assert guard.since(23.0, 5.0) == (18.0, 81)  # exactly 5 s back is far enough
+    assert guard.since(6.0, 5.0) == (2.0, 1)  # none is: the oldest
+
+
+def test_the_guard_waits_out_its_first_window_whatever_the_last_steps_took():
+    """4.5 s of training after the first step (under 5 s): at 1.5 s a step the 46 steps left would end at 113.5 s,
+    and the last two steps took 2 s each, but the guard keeps the probe's plan until its window has passed."""
+    assert guard_ends(guard_plan(steps=50, limit=50), (2.5, 2, 40.5), (6.5, 4, 44.5)) == []
+
+
+def test_the_guard_plans_from_its_steady_time_once_a_window_has_passed():
+    """Exactly 5 s after the first step, at 0.5 s a step: the 39 steps left would end at 64.5 s, so it plans
+    longer, 52 s of steps after step 11 at 0.5 s: to step 115."""
+    assert guard_ends(guard_plan(steps=50, limit=200), (7.0, 11, 45.0)) == [115]
+
+
+def test_a_recent_step_time_exactly_a_quarter_above_the_runs_is_no_slow_down():
+    """Steps 1-11 at 0.8 s, then 12-19 at 1.25 s: the run's time is 18 s / 18 steps = 1 s, the recent one (since
+    step 11, 10 s back) 10 s / 8 = 1.25 s, exactly SLOWER times it: not a slow-down. At 1 s the 40 steps left end
+    at 97 s, inside the band; at 1.25 s they would end at 107 s and the run would be cut to step 51."""
+    assert guard_ends(guard_plan(steps=59, limit=59), (10.0, 11, 47.0), (20.0, 19, 57.0)) == []
+
+
+@pytest.mark.parametrize("steps,looks,ends", [
+    # recent 11 s / 8 = 1.375 s against 19 s / 18 = 1.056 s: a slow-down. At 1.375 s the 40 steps left end at
+    # 113 s; the 39 s to 97 s hold 28 of them (at 1.056 s it would have been 36): step 47
+    (59, [(10.0, 11, 47.0), (21.0, 19, 58.0)], [47]),
+    # the recent window exactly 5 s back (step 11 at 12 s): 5 s / 3 = 1.667 s against 15 s / 13 = 1.154 s; at
+    # 1.667 s the 10 steps left end at 101.7 s, past the budget; 12 s to 97 s hold 7 of them: step 21. (From the
+    # older mark it would be no slow-down, and at 1.154 s they end at 96.5 s, in the band.)
+    (24, [(12.0, 11, 80.0), (17.0, 14, 85.0)], [21])])
+def test_a_slow_down_is_planned_at_once_from_the_recent_step_time(steps, looks, ends):
+    """(The first look ends the run early, but the limit allows no more steps.)"""
+    assert guard_ends(guard_plan(steps, limit=steps), *looks) == ends
+
+
+@pytest.mark.parametrize("spent,ends", [
+    (59.75, []),  # at 1 s the 40 steps left end at 99.75 s: no slow-down (within the budget), and too long to go on
+    (60.0, []),  # ... end at 100 s: still within it
+    (61.0, [57])])  # ... end at 101 s: a slow-down; 36 s to 97 s hold 36 steps
+def test_planning_longer_needs_the_recent_step_time_to_agree(spent, ends):
+    """Steps 1-11 at 0.4 s, then 12-21 at 1 s: the run's step time is 14 s / 20 = 0.7 s, the recent one 1 s (more
+    than SLOWER times it). At 0.7 s the 40 steps left would end early (at most 61 + 28 = 89 s) and the run could go
+    on, but at the recent 1 s they do not end early: the plan is kept, unless the recent time overruns the budget,
+    which is a slow-down."""
+    assert guard_ends(guard_plan(steps=61, limit=200), (6.0, 11, spent - 10.0), (16.0, 21, spent)) == ends
+
+
+def test_a_longer_plan_is_the_recent_step_times_when_both_agree():
+    """The run's step time 14 s / 20 = 0.7 s, the recent one 10 s / 12 = 0.833 s (not a slow-down: under 0.875):
+    both end the 40 steps left early (at 78.1 s and 83.5 s). The longer run is planned at the slower 0.833 s: 46.9 s
+    to 97 s hold 56 steps after step 21 (at 0.7 s, 66)."""
+    run = GuardRun(guard_plan(steps=61, limit=200))
+    run.step(2.0, 1)
+    run.look(6.0, 9, 40.0)
+    run.look(16.0, 21, 50.12345)  # (recorded to the millisecond)
+    assert run.ends == [77]
+    assert run.ctx.plan.replans == [{"step": 21, "steps": 77, "step_s": 0.833333, "spent_s": 50.123}]
+    assert run.records == [{"step": 21, "event": "time_budget", "planned_steps": 61, "steps": 77,
+                            "step_time_s": 0.833333, "spent_s": 50.123}]
+    assert run.messages == ["time budget: steps take 0.833 s (planned 1 s) with 50.1s of 1m 40s spent: ending at "
+                            "step 77 instead of 61, the learning-rate decay completing there"]
+
+
+def test_a_slow_down_with_no_time_left_stops_the_run_at_this_step():
+    """Steps 12-19 took 30 s (3.75 s each, against the run's 38 s / 18 = 2.1 s) and 96 s are spent: not even one
+    more step fits in the 1 s left to 97 s, so the run ends here, at step 19."""
+    run = GuardRun(guard_plan(steps=59, limit=59))
+    run.step(2.0, 1)
+    run.look(10.0, 11, 47.0)
+    run.look(40.0, 19, 96.0)
+    assert run.ends == [19] and run.records[0]["step_time_s"] == 3.75
+    assert run.messages == ["time budget: steps take 3.75 s (planned 1 s) with 1m 36s of 1m 40s spent: stopping now, "
+                            "at step 19 of 59"]
+
+
+def test_a_shorter_plan_is_the_runs_step_times_when_it_overruns_without_a_slow_down():
+    """The same step times (0.7 s, recently 0.833 s) with 75 s spent: at 0.7 s the 40 steps left end at 103 s.
+    Planned shorter from the run's own time, which is steady: 22 s to 97 s hold 31 steps after step 21."""
+    assert guard_ends(guard_plan(steps=61, limit=61), (6.0, 9, 65.0), (16.0, 21, 75.0)) == [52]
 
 
 # ------------------------------------------------------------------------ make demo

@@ -143,7 +143,8 @@ class BudgetPlan:
         saves = count_due(0, self.steps, self.save_interval) if self.save_s > 0 else 0
         planned = self.setup_s + self.start_s + self.first_extra_s + self.time_for(0, self.steps, self.step_s)
         why = "" if self.steps < self.limit else "; --max_steps / --epochs allow no more, so it ends early"
-        return (f"time budget {format_duration(self.budget_s)}: {self.steps} steps at {self.step_s:.3g} s "
+        return (f"time budget {format_duration(self.budget_s)}: {self.steps} step{'s' if self.steps != 1 else ''} "
+                f"at {self.step_s:.3g} s "
                 f"(measured over {self.timed_steps} steps after a warm-up), {evals} evaluation"
                 f"{'s' if evals != 1 else ''} at {self.eval_s:.3g} s, {saves} checkpoint{'s' if saves != 1 else ''} "
                 f"at {self.save_s:.3g} s, {format_duration(self.setup_s + self.start_s)} set-up: ends at about "
