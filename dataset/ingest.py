@@ -100,7 +100,7 @@ def find_files(inputs: Iterable[str | Path], exclude: Iterable[Path] = ()) -> li
         else:
             raise DataError(f"{root}: no such file or folder")
         for path in found:
-            key = path.resolve()
+            key = Path(os.path.realpath(path))  # path.resolve() raises on a link to itself: read (and skipped) later
             if key not in seen and key not in skip:
                 seen.add(key)
                 files.append(path)
@@ -128,7 +128,7 @@ def _pieces(text: str, max_chars: int) -> list[str]:
 def split_document(text: str, max_chars: int) -> list[str]:
     """A document as consecutive records of at most max_chars characters, cut at the coarsest boundary that
     keeps them under it (see _pieces); each record stripped of the whitespace at its ends."""
-    if len(text) <= max_chars:
+    if len(text.strip()) <= max_chars:  # whitespace at the ends (a paragraph's "\n\n") is no reason to cut
         return [text.strip()] if text.strip() else []
     chunks, current = [], ""
     for piece in _pieces(text, max_chars):
@@ -329,7 +329,8 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
             record["lang"] = lang
             stats.languages[lang]["records"] += 1
             stats.languages[lang]["chars"] += len(record["text"])
-            line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+            # a file name that is not UTF-8 holds surrogates: written as JSON's \udcXX escapes, read back the same
+            line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
             if held:
                 heldout.append(line)
             else:

@@ -4,9 +4,14 @@ bundled example folder's extraction quality (bench/bench_ingest.py's measure).""
 from __future__ import annotations
 
 import builtins
+import contextlib
+import io
 import json
+import math
 import sys
+import types
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +24,17 @@ from dataset.extract import (
     join_wrapped_lines,
     strip_page_furniture,
 )
-from dataset.ingest import IngestOptions, detect_language, find_files, heldout_path, ingest, main, split_document
+from dataset.ingest import (
+    FormatStats,
+    IngestOptions,
+    detect_language,
+    find_files,
+    heldout_path,
+    ingest,
+    is_heldout,
+    main,
+    split_document,
+)
 
 from conftest import ROOT
 
@@ -556,3 +571,459 @@ def test_image_pages_inside_a_text_pdf_are_counted_and_named(tmp_path):
         "ocrmypdf)"]
     kept = (tmp_path / "out.jsonl").read_text()
     assert "Fjords cut deep" in kept and "Lighthouses guided ships" in kept
+
+
+# ---------------------------------------------------------------------------------------- the report, whole
+# A CLI run over a small folder, every number in its report worked out by hand from the files written here.
+# Paths are relative to the run's folder, so a document's name (and so whether --heldout picks it) is the same on
+# every machine; the clock is faked, so every time in the report is a count of readings.
+JSONL_FIRST = "The harbour master counts the boats that come in before the storm."  # 66 chars
+JSONL_LAST = "Glaciers carved these valleys slowly over many thousands of years."  # 66 chars
+FRENCH = "Le café crème du matin est servi chaud au bord de la mer."  # 57 chars, written in Latin-1: 57 bytes
+LOGBOOK = ("In the logbook the keeper wrote <b>fog</b> &amp; rain, and the fishing fleet waited in the bay for the "
+           "weather to turn.")  # 119 chars; what looks like markup in a document's text is its content
+NUMBERS = "3.14 2.71 1.41 1.73 2.23 0.57 4.66 8.31 9.81 6.02 1.61 2.50 7.29"  # 64 chars, no letters: "und"
+TICK = 2**-9  # s; exact in binary, so sums of ticks carry no rounding of their own
+
+
+class Clock:
+    """time.perf_counter for dataset.ingest: each reading `tick` after the one before."""
+
+    def __init__(self, tick: float):
+        self.tick, self.readings = tick, 0
+
+    def perf_counter(self) -> float:
+        self.readings += 1
+        return self.readings * self.tick
+
+
+class Terminal(io.StringIO):
+    """stderr as a terminal, so that the progress bar is up to --quiet alone."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def write_folder(root) -> int:
+    """The CLI test's folder under `root`; returns the PDFs' size in bytes (fpdf decides it)."""
+    docs = root / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / ".git").mkdir()
+    texts = {
+        "a.txt": "\n\n".join(PARAGRAPHS),  # 95 + 2 + 90 + 2 + 96 = 285 chars: at --max_chars 200, records of 187, 96
+        "b.md": PARAGRAPHS[2] + "\n\n" + LOGBOOK,  # 217 chars: a.txt's second record again (a duplicate), LOGBOOK
+        "near.txt": PARAGRAPHS[0] + "\n\n" + PARAGRAPHS[1].replace("north", "east"),  # 186 chars: a near duplicate
+        "nums.txt": NUMBERS,
+        "sub/c.txt": "hi there",  # 8 chars: under --min_chars
+        "vidé.md": "",  # skipped: no text in it
+        "d.jsonl": "\n".join([json.dumps({"text": JSONL_FIRST}), "not json", json.dumps({"text": JSONL_LAST}),
+                               "nor this"]) + "\n",
+        "README": "read me",  # no reader: another type
+        ".hidden.txt": PARAGRAPHS[1],  # hidden: left out, as everything in .git is
+        ".git/x.txt": PARAGRAPHS[2],
+    }
+    for name, text in texts.items():
+        (docs / name).write_text(text, encoding="utf-8")
+    (docs / "fr.txt").write_bytes(FRENCH.encode("latin-1"))
+    (docs / "photo.png").write_bytes(b"\x89PNG")
+    (docs / "scan.PNG").write_bytes(b"\x89PNG")  # counted as .png
+    (docs / "gone.txt").symlink_to(root / "missing.txt")
+    (docs / "loop.txt").symlink_to("loop.txt")  # a link to itself: once a crash (RuntimeError: Symlink loop)
+    mixed = pdf_of_pages("tiit")  # SENTENCES[0] on page 1, SENTENCES[3] on page 4, images on pages 2 and 3
+    two = pdf_of_pages("itt")  # an image on page 1, SENTENCES[1] and SENTENCES[2] on pages 2 and 3
+    (docs / "mixed.pdf").write_bytes(mixed)
+    (docs / "two.pdf").write_bytes(two)
+    return len(mixed) + len(two)
+
+
+def run_cli(root, *args, tick: float = TICK, block: int = 256) -> tuple[int, str, str]:
+    """main(args) run in the folder `root`, on a terminal, by a fake clock, telling languages `block` records at a
+    time: its exit code, stdout and stderr."""
+    import dataset.ingest as ingest_module
+
+    stdout, stderr = io.StringIO(), Terminal()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.setattr(ingest_module, "time", Clock(tick))
+        mp.setattr(ingest_module, "_LANGUAGE_BLOCK", block)
+        mp.setattr(sys, "stderr", stderr)
+        with contextlib.redirect_stdout(stdout):
+            code = main(list(args))
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture
+def cli_run(tmp_path):
+    """`python -m dataset.ingest docs --out out/corpus.jsonl` with every option set, on a terminal, --quiet;
+    languages told 3 records at a time (9 records kept: blocks of 3, 3, 3 and a last, empty one). A run per test
+    (0.2 s): the mutation tester runs only the tests during which a function ran."""
+    pdf_size = write_folder(tmp_path)
+    code, stdout, stderr = run_cli(tmp_path, "docs", "--out", "out/corpus.jsonl", "--max_chars", "200", "--min_chars",
+                                   "30", "--encoding", "latin-1", "--skip_bad_lines", "--heldout", "0.05",
+                                   "--threshold", "0.5", "--quiet", block=3)
+    out = tmp_path / "out"
+    report = (out / "corpus.jsonl.report.json").read_text(encoding="utf-8")
+    return types.SimpleNamespace(code=code, stdout=stdout, stderr=stderr, pdf_size=pdf_size,
+                                 report=json.loads(report), report_text=report,
+                                 corpus_text=(out / "corpus.jsonl").read_text(encoding="utf-8"),
+                                 corpus=read_jsonl(out / "corpus.jsonl"),
+                                 heldout=read_jsonl(out / "corpus.heldout.jsonl"))
+
+
+def record(text: str, source: str, lang: str, part: int = 1) -> dict:
+    return {"text": text, "source": source, "part": part, "lang": lang}
+
+
+def test_cli_writes_the_records_in_file_order_and_holds_out_by_name(cli_run):
+    """What is kept, in order, split, labelled and held out. --heldout 0.05 picks the documents whose name's
+    SHA-256 starts below 0.05 * 2**64: `printf docs/nums.txt | sha256sum` starts 0a83fd31 (0.041),
+    `docs/d.jsonl:3` 06ea9b73 (0.027); every other name here starts at 3b5a101d (0.23) or above."""
+    assert cli_run.code == 0
+    assert cli_run.corpus == [
+        record(PARAGRAPHS[0] + "\n\n" + PARAGRAPHS[1], "docs/a.txt", "en"),
+        record(PARAGRAPHS[2], "docs/a.txt", "en", part=2),
+        record(LOGBOOK, "docs/b.md", "en", part=2),  # part 1 repeats a.txt's part 2: dropped
+        record(JSONL_FIRST, "docs/d.jsonl:1", "en"),
+        record(FRENCH, "docs/fr.txt", "fr"),  # read with --encoding latin-1
+        record(SENTENCES[0] + " " + SENTENCES[3], "docs/mixed.pdf", "en"),
+        record(SENTENCES[1] + " " + SENTENCES[2], "docs/two.pdf", "en"),
+    ]  # near.txt: a near duplicate; sub/c.txt: too short
+    assert cli_run.heldout == [record(JSONL_LAST, "docs/d.jsonl:3", "en"), record(NUMBERS, "docs/nums.txt", "und")]
+    assert f'"{FRENCH}"' in cli_run.corpus_text  # UTF-8 as it is, not \u escapes
+
+
+def test_cli_report_json_whole(cli_run):
+    """Every field of <out>.report.json, and its layout. Times: the clock is read once at the start, twice per
+    file of a known format (read or skipped: 12 here), twice per block of records told their language (4), once
+    at the end."""
+    pdf_mb = round(cli_run.pdf_size / 1e6 / (2 * TICK), 3)
+
+    def fmt(files, read, skipped, size, documents, chars, mb_per_s, **pdf):
+        return {"files": files, "read": read, "skipped": skipped, "bytes": size, "pages": pdf.get("pages", 0),
+                "pages_without_text": pdf.get("pages_without_text", 0), "documents": documents, "chars": chars,
+                "seconds": round(files * TICK, 3), "mb_per_s": mb_per_s, **pdf}
+
+    assert cli_run.report == {
+        "inputs": ["docs"],
+        "output": "out/corpus.jsonl",
+        "files": {"found": 15, "read": 9, "skipped": 3, "other_types": 3},
+        "by_format": {
+            # 78 + 1 + 9 + 78 + 1 + 9 = 176 bytes in 1 tick (1/512 s): 0.090112 MB/s
+            "jsonl": fmt(1, 1, 0, 176, 2, 66 + 66, 0.09),
+            # b.md: 217 bytes; vidé.md: skipped; 2 ticks: 217e-6 * 256 = 0.055552 MB/s
+            "markdown": fmt(2, 1, 1, 217, 1, 217, 0.056),
+            "pdf": fmt(2, 2, 0, cli_run.pdf_size, 2, (39 + 1 + 36) + (37 + 1 + 38), pdf_mb, pages=4 + 3,
+                       pages_without_text=2 + 1, pages_per_s=1792.0),  # 7 pages in 2/512 s
+            # a 285 + fr 57 + near 186 + nums 64 + c 8 = 600 bytes (2 links skipped), 7 ticks: 0.0438857 MB/s
+            "text": fmt(7, 5, 2, 600, 5, 600, 0.044),
+        },
+        "other_types": {"(no suffix)": 1, ".png": 2},
+        "skipped": ["docs/gone.txt: a symbolic link to nothing",
+                    "docs/loop.txt: cannot read it (Too many levels of symbolic links)",
+                    "docs/vidé.md: no text in it"],
+        "pages_without_text": ["docs/mixed.pdf: pages 2, 3", "docs/two.pdf: page 1"],
+        "bad_lines": {"total": 2, "reasons": {"invalid JSON": 2},
+                      "first": ["d.jsonl:2: invalid JSON", "d.jsonl:4: invalid JSON"]},
+        # a.txt 2, b.md 2, d.jsonl 2, fr, mixed, near, nums, one, c: 12; less c, b.md's part 1, near.txt: 9, 2 held
+        "records": {"from_documents": 12, "kept": 9, "documents_split": 2},
+        "heldout": {"output": "out/corpus.heldout.jsonl", "records": 2},
+        "dropped": {"empty_after_cleaning": 0, "too_short": 1, "exact_duplicate": 1, "near_duplicate": 1},
+        # 187 + 96 + 96 + 119 + 66 + 66 + 57 + 76 + 186 + 64 + 76 + 8 = 1097; less 96, 186 and 8 = 807
+        "chars": {"extracted": 1097, "kept": 807},
+        # most chars first (not by name): en 187 + 96 + 119 + 66 + 66 + 76 + 76 = 686, und 64, fr 57
+        "languages": {"en": {"records": 7, "chars": 686}, "und": {"records": 1, "chars": 64},
+                      "fr": {"records": 1, "chars": 57}},
+        "elapsed_s": 0.064,  # readings 1 (start) ... 1 + 2 * 12 + 2 * 4 + 1 = 34 (end): 33 ticks = 0.064453125
+        "extract_s": 0.023,  # 12 files, a tick each: 0.0234375
+        "language_s": 0.008,  # 4 blocks, a tick each: 0.0078125
+        "options": {"max_chars": 200, "min_chars": 30, "encoding": "latin-1", "skip_bad_lines": True, "heldout": 0.05,
+                    "near_dedup": True, "threshold": 0.5, "shingle_size": 5, "num_perm": 128, "seed": 1},
+    }
+    # indented by 2, UTF-8 as it is (not \u escapes), a line end at the end
+    assert cli_run.report_text.startswith('{\n  "inputs": [\n    "docs"\n  ],\n  "output": "out/corpus.jsonl",\n')
+    assert '"docs/vidé.md: no text in it"' in cli_run.report_text and cli_run.report_text.endswith("\n}\n")
+
+
+def test_cli_summary_and_warnings_whole(cli_run):
+    """The lines printed on stdout, and on stderr the warnings, one a line (--quiet: no progress bar)."""
+    assert cli_run.stdout == "\n".join([
+        "ingested docs -> out/corpus.jsonl",
+        "  files: 15 found, 9 read, 3 skipped, 3 of other types",
+        "    jsonl         1 read     0 skipped           132 chars  0.09 MB/s",
+        "    markdown      1 read     1 skipped           217 chars  0.06 MB/s",
+        f"    pdf           2 read     0 skipped           152 chars  {cli_run.pdf_size * 256e-6:.2f} MB/s, "
+        "7 pages (1,792/s)",
+        "    text          5 read     2 skipped           600 chars  0.04 MB/s",
+        "  other types (not read): (no suffix) 1, .png 2",
+        "  PDF pages without text (not read): docs/mixed.pdf: pages 2, 3; docs/two.pdf: page 1",
+        "  bad JSONL lines skipped: 2 (d.jsonl:2: invalid JSON; d.jsonl:4: invalid JSON)",
+        "  records: 12 from the documents (2 documents split), 9 kept",
+        "  held out: 2 of them -> out/corpus.heldout.jsonl",
+        "  dropped: empty_after_cleaning 0, too_short 1, exact_duplicate 1, near_duplicate 1",
+        "  chars: 1,097 extracted, 807 kept",
+        "  languages: en 7 records / 686 chars, und 1 records / 64 chars, fr 1 records / 57 chars",
+        "  0.1 s (0.0 s reading files, 0.0 s telling languages); report: out/corpus.jsonl.report.json",
+    ]) + "\n"
+    assert cli_run.stderr == ("skipped docs/gone.txt: a symbolic link to nothing\n"
+                              "skipped docs/loop.txt: cannot read it (Too many levels of symbolic links)\n"
+                              "docs/mixed.pdf: pages 2, 3 of 4 have no text layer (images: their text is not read; "
+                              "OCR the file to keep it)\n"
+                              "docs/two.pdf: page 1 of 3 has no text layer (images: their text is not read; "
+                              "OCR the file to keep it)\n"
+                              "skipped docs/vidé.md: no text in it\n")
+
+
+def test_cli_defaults_reach_the_ingest_and_the_bar_is_drawn_on_a_terminal(tmp_path):
+    """Without options: the documented defaults (report options), nothing held out (no file, no line for it),
+    none of the lines for what did not happen, and, without --quiet on a terminal, the progress bar on stderr.
+    The clock stands still: a format read in no measurable time has no speed (null, "-"), not a division by 0."""
+    (tmp_path / "a.txt").write_text("\n\n".join(PARAGRAPHS), encoding="utf-8")  # 285 chars, one record
+    code, stdout, stderr = run_cli(tmp_path, "a.txt", "--out", "c.jsonl", tick=0.0)
+    assert code == 0
+    assert stdout == "\n".join([
+        "ingested a.txt -> c.jsonl",
+        "  files: 1 found, 1 read, 0 skipped, 0 of other types",
+        "    text          1 read     0 skipped           285 chars  -",
+        "  records: 1 from the documents (0 documents split), 1 kept",
+        "  dropped: empty_after_cleaning 0, too_short 0, exact_duplicate 0, near_duplicate 0",
+        "  chars: 285 extracted, 285 kept",
+        "  languages: en 1 records / 285 chars",
+        "  0.0 s (0.0 s reading files, 0.0 s telling languages); report: c.jsonl.report.json",
+    ]) + "\n"
+    report = json.loads((tmp_path / "c.jsonl.report.json").read_text())
+    assert report["options"] == {"max_chars": 8000, "min_chars": 20, "encoding": None, "skip_bad_lines": False,
+                                 "heldout": 0.0, "near_dedup": True, "threshold": 0.8, "shingle_size": 5,
+                                 "num_perm": 128, "seed": 1}
+    assert report["by_format"]["text"]["seconds"] == 0.0 and report["by_format"]["text"]["mb_per_s"] is None
+    assert report["heldout"] is None and not (tmp_path / "c.heldout.jsonl").exists()
+    assert "ingest: 100%" in stderr and "1/1 [" in stderr
+
+
+def test_heldout_is_a_name_hash_below_the_share():
+    """A document is held out when the first 8 bytes of its name's SHA-256, as a fraction of 2**64, are below the
+    share: `printf docs/1291.txt | sha256sum` starts a9cd1eec0981e000, a fraction exact as a float."""
+    edge = 0xA9CD1EEC0981E000 / 2**64  # 0.66328...
+    assert not is_heldout("docs/1291.txt", edge)
+    assert is_heldout("docs/1291.txt", math.nextafter(edge, 1.0))
+    assert not is_heldout("docs/1291.txt", 0.0) and is_heldout("docs/1291.txt", 0.9)
+
+
+@pytest.mark.parametrize("text, max_chars, records", [
+    # a paragraph that fits without the blank line after it stays whole (it was once cut at a space)
+    ("Short one.\n\nNext one.", 10, ["Short one.", "Next one."]),
+    # paragraphs before lines: "cccc" would fit beside the first paragraph, but belongs to the second
+    ("aaaa\nbbbb\n\ncccc\ndddd", 16, ["aaaa\nbbbb", "cccc\ndddd"]),
+    ("aaaa bbbb\ncccc dddd", 12, ["aaaa bbbb", "cccc dddd"]),  # lines before spaces
+    ("你好。再见。", 4, ["你好。", "再见。"]),  # two sentences (no space to cut at): at the sentence end
+    ("aa bb cccc", 7, ["aa bb", "cccc"]),  # at the last space that keeps the record under max_chars
+    ("a bbbbbb", 4, ["a", "bbb", "bbb"]),  # a space after one character is a cut; a long word is cut anywhere
+])
+def test_split_document_cuts_at_the_coarsest_boundary(text, max_chars, records):
+    assert split_document(text, max_chars) == records
+
+
+def test_format_speeds_are_rounded_and_absent_without_a_measurable_time():
+    """MB/s to 3 decimals, pages/s to 1 (1.5 MB and 3 pages in 0.7 s: 2.142857 MB/s, 4.2857 pages/s); a format
+    read in no measurable time has no speed rather than a division by zero; pages/s only for a format with pages."""
+    stats = FormatStats(files=1, read=1, bytes=1_500_000, pages=3, documents=1, chars=9, seconds=0.7).summary()
+    assert stats == {"files": 1, "read": 1, "skipped": 0, "bytes": 1_500_000, "pages": 3, "pages_without_text": 0,
+                     "documents": 1, "chars": 9, "seconds": 0.7, "mb_per_s": 2.143, "pages_per_s": 4.3}
+    timeless = FormatStats(bytes=10, pages=3).summary()
+    assert timeless["mb_per_s"] is None and timeless["pages_per_s"] is None
+    assert "pages_per_s" not in FormatStats(bytes=10, seconds=1.0).summary()
+    # a MB is 10**6 bytes: 2,001,001 bytes in 2 s are 1.0005005 MB/s, 1.001 (over 1,000,001 it would be 1.0)
+    assert FormatStats(bytes=2_001_001, seconds=2.0).summary()["mb_per_s"] == 1.001
+
+
+def test_ten_letters_are_enough_to_tell_a_language():
+    assert detect_language("lighthous") == "und"  # 9 letters
+    assert detect_language("lighthouse") != "und"
+
+
+def test_cli_help_names_every_option_with_its_default(monkeypatch, capsys):
+    """--help: the module's docstring as written, and each option with its help (defaults filled in)."""
+    import dataset.ingest as ingest_module
+
+    monkeypatch.setenv("COLUMNS", "250")  # one line per option
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(
+        "usage: python -m dataset.ingest [-h] [--files_from LIST] --out OUT [--max_chars MAX_CHARS] "
+        "[--min_chars MIN_CHARS] [--encoding ENCODING] [--skip_bad_lines] [--heldout SHARE] [--no_near_dedup] "
+        "[--threshold THRESHOLD] [--quiet] [PATH ...]\n\n" + ingest_module.__doc__)
+    lines = text.splitlines()
+    for option, help_ in [
+        ("  PATH                  ", "folders (walked) and files to read"),
+        ("  --files_from LIST     ", "a text file naming one file or folder per line"),
+        ("  --out OUT             ", "output .jsonl; the report goes to <out>.report.json"),
+        ("                        ", "longer documents are split into records at paragraph boundaries (default: 8000)"),
+        ("                        ", "records shorter than this after cleaning are dropped (default: 20)"),
+        ("  --encoding ENCODING   ", "the encoding of text files that are not UTF-8 (e.g. gb18030, cp1252); without "
+                                   "it such files are skipped, with the reason"),
+        ("  --skip_bad_lines      ", "JSONL: skip and count bad lines (without it, a file with a bad line is "
+                                   "skipped, naming it)"),
+        ("  --heldout SHARE       ", "share of documents (whole files, EPUB chapters, JSONL lines; chosen by a hash of "
+                                   "their name) written to <out stem>.heldout.jsonl instead, to measure the adapted "
+                                   "model on (train_pretrain.py --eval_data_path)"),
+        ("  --no_near_dedup       ", "exact deduplication only"),
+        ("                        ", "Jaccard similarity that counts as a near-duplicate (default: 0.8)"),
+        ("  --quiet               ", "no progress bar"),
+    ]:
+        assert option + help_ in lines, (option, help_)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["docs"], "the following arguments are required: --out"),
+    (["--out", "c.jsonl"], "name at least one folder or file (or --files_from LIST)"),
+])
+def test_cli_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"error: {message}\n")
+
+
+def test_cli_files_from(tmp_path, capsys):
+    """A list names files and folders one a line; blank lines and comments (indented too) are left out; a list
+    that cannot be read is one error line, naming it."""
+    (tmp_path / "a.txt").write_text(PARAGRAPHS[0], encoding="utf-8")
+    (tmp_path / "list.txt").write_text(f"# mine\n\n   # {tmp_path}/not-a-file.txt\n  {tmp_path / 'a.txt'}  \n",
+                                       encoding="utf-8")
+    out = tmp_path / "c.jsonl"
+    assert main(["--files_from", str(tmp_path / "list.txt"), "--out", str(out), "--quiet"]) == 0
+    assert [r["source"] for r in read_jsonl(out)] == [str(tmp_path / "a.txt")]
+    assert main(["--files_from", str(tmp_path / "nowhere.txt"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'nowhere.txt'}: cannot read the list of files ([Errno 2] "
+                                       f"No such file or directory: '{tmp_path / 'nowhere.txt'}')\n")
+
+
+def test_cli_no_near_dedup_keeps_near_duplicates_only(tmp_path):
+    text = " ".join(PARAGRAPHS)
+    for name, body in [("a.txt", text), ("b.txt", text), ("c.txt", text.replace("north", "east"))]:
+        (tmp_path / name).write_text(body, encoding="utf-8")
+    code, stdout, _ = run_cli(tmp_path, "a.txt", "b.txt", "c.txt", "--out", "out/c.jsonl", "--no_near_dedup", "--quiet")
+    assert code == 0 and stdout.startswith("ingested a.txt, b.txt, c.txt -> out/c.jsonl\n")
+    report = json.loads((tmp_path / "out" / "c.jsonl.report.json").read_text())
+    assert report["dropped"]["exact_duplicate"] == 1 and report["dropped"]["near_duplicate"] == 0
+    assert [r["source"] for r in read_jsonl(tmp_path / "out" / "c.jsonl")] == ["a.txt", "c.txt"]
+    assert report["options"]["near_dedup"] is False
+
+
+def test_cli_a_failing_disk_is_one_error_line_naming_the_output(tmp_path, monkeypatch, capsys):
+    """An OSError that names no file (a full disk) is reported against the output."""
+    import errno
+
+    import dataset.ingest as ingest_module
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "a.txt").write_text(PARAGRAPHS[0], encoding="utf-8")
+    monkeypatch.setattr(ingest_module, "write_atomic", full)
+    assert main([str(tmp_path / "a.txt"), "--out", str(tmp_path / "c.jsonl"), "--quiet"]) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'c.jsonl'}: No space left on device\n"
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(min_chars=0), "need 1 <= --min_chars <= --max_chars, got 0 and 8000"),
+    (dict(min_chars=100, max_chars=50), "need 1 <= --min_chars <= --max_chars, got 100 and 50"),
+    (dict(threshold=0.0), "--threshold must be in (0, 1], got 0.0"),
+    (dict(threshold=1.5), "--threshold must be in (0, 1], got 1.5"),
+    (dict(heldout=-0.1), "--heldout must be in [0, 1), got -0.1"),
+    (dict(heldout=1.5), "--heldout must be in [0, 1), got 1.5"),
+])
+def test_options_out_of_range_are_named_whole(options, message):
+    with pytest.raises(ConfigError) as error:
+        IngestOptions(**options)
+    assert str(error.value) == message
+
+
+def test_options_at_the_ends_of_their_ranges_are_taken():
+    IngestOptions(min_chars=1, max_chars=1)
+    IngestOptions(min_chars=7, max_chars=7, threshold=1.0, heldout=0.0)
+
+
+def test_heldout_path_keeps_the_suffix_or_gives_jsonl():
+    assert heldout_path("data/corpus.jsonl") == Path("data/corpus.heldout.jsonl")
+    assert heldout_path("data/corpus.txt") == Path("data/corpus.heldout.txt")
+    assert heldout_path("data/corpus") == Path("data/corpus.heldout.jsonl")
+
+
+def test_a_file_that_vanished_is_unreadable_with_the_reason(tmp_path):
+    """A listed file gone before it is read (not a link): the system's reason, not "a symbolic link to nothing"."""
+    from dataset.ingest import regular_file_size
+
+    with pytest.raises(Unreadable) as error:
+        regular_file_size(tmp_path / "gone.txt")
+    assert str(error.value) == "cannot read it (No such file or directory)"
+
+
+def test_ingest_errors_name_what_is_wrong_whole(tmp_path):
+    """An output that is a folder; inputs with no files (all named); nothing kept (the first three skips named,
+    none when nothing was skipped)."""
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "e2").mkdir()
+    (tmp_path / "bad").mkdir()
+    for name in ("a.md", "b.md", "c.md", "d.md"):
+        (tmp_path / "bad" / name).write_text("", encoding="utf-8")
+    (tmp_path / "short.txt").write_text("hi", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    cases = [
+        (([tmp_path / "short.txt"], tmp_path / "e1"),
+         f"{tmp_path / 'e1'}: is a folder, expected an output .jsonl path"),
+        (([tmp_path / "e1", tmp_path / "e2"], out), f"{tmp_path / 'e1'}, {tmp_path / 'e2'}: no files found"),
+        (([tmp_path / "short.txt"], out), f"no text kept from 1 files under {tmp_path / 'short.txt'}"),
+        (([tmp_path / "bad", tmp_path / "short.txt"], out),
+         f"no text kept from 5 files under {tmp_path / 'bad'}, {tmp_path / 'short.txt'}; skipped: "
+         + "; ".join(f"{tmp_path / 'bad' / n}: no text in it" for n in ("a.md", "b.md", "c.md"))),
+    ]
+    for (inputs, output), message in cases:
+        with pytest.raises(DataError) as error:
+            ingest(inputs, output, progress=False, warn=lambda msg: None)
+        assert str(error.value) == message
+        assert not out.exists() and not heldout_path(out).exists()
+
+
+def test_ingest_draws_its_progress_bar_by_default(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(PARAGRAPHS[0], encoding="utf-8")
+    ingest([tmp_path / "a.txt"], tmp_path / "out.jsonl")
+    err = capsys.readouterr().err
+    assert "ingest: 100%" in err and "1/1 [" in err and "file/s]" in err
+
+
+def test_a_file_name_that_is_not_utf8_is_read_and_named_exactly(tmp_path):
+    """A name in another encoding (bytes that are not UTF-8, common on old archives) reaches Python as surrogates;
+    such a file was once a crash (UnicodeEncodeError) when its record was written. Its source reads back as the
+    name's own bytes."""
+    import os
+
+    folder = os.fsencode(tmp_path / "docs")
+    os.mkdir(folder)
+    with open(folder + b"/caf\xe9.txt", "wb") as f:
+        f.write(PARAGRAPHS[0].encode("utf-8"))
+    out = tmp_path / "out.jsonl"
+    assert ingest([tmp_path / "docs"], out, progress=False)["records"]["kept"] == 1
+    assert [os.fsencode(r["source"]) for r in read_jsonl(out)] == [folder + b"/caf\xe9.txt"]
+
+
+def test_the_list_of_files_is_read_as_utf8_whatever_the_locale(tmp_path):
+    """--files_from's list is UTF-8 (as the files it names are), also where the locale's encoding is ASCII (LC_ALL=C
+    without Python's UTF-8 mode), where read in the locale's encoding a list naming café.txt would not decode."""
+    import os
+    import subprocess
+
+    from dataset.ingest import _listed
+
+    (tmp_path / "list.txt").write_text(f"{tmp_path / 'café.txt'}\n", encoding="utf-8")
+    expected = [str(tmp_path / "café.txt")]
+    assert _listed(str(tmp_path / "list.txt")) == expected
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run([sys.executable, "-c", "import sys; from dataset.ingest import _listed; "
+                           "print(ascii(_listed(sys.argv[1])))", str(tmp_path / "list.txt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, encoding="ascii", errors="replace")
+    assert done.stdout == ascii(expected) + "\n", done.stderr
