@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from dataset.kinds import DataKind
     from dataset.tasks import Task
     from dataset.tokenizer import Tokenizer
+    from evaluation.probes import Probe
     from model import PocketLM
-    from model.probes import Probe
 
     from .backend import Backend
     from .budget import BudgetClock, BudgetPlan
