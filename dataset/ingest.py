@@ -23,7 +23,6 @@ duplicates, languages, and the time each format took (pages/s, MB/s).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -33,8 +32,9 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
+from common.config import option, parse_config
 from common.errors import ConfigError, DataError
 from dataset.clean import (
     CleanOptions,
@@ -58,16 +58,23 @@ _LANGUAGE_BLOCK = 256  # records cleaned before their languages are told (see li
 class IngestOptions:
     """How files become records."""
 
-    max_chars: int = 8000  # a longer document is split into records at paragraph boundaries
-    min_chars: int = 20  # records shorter than this after cleaning are dropped
-    encoding: str | None = None  # for text files not in UTF-8; None: such a file is skipped, with the reason
-    skip_bad_lines: bool = False  # JSONL: skip and count bad lines instead of skipping the file
-    heldout: float = 0.0  # share of documents written to <out stem>.heldout.jsonl instead of <out>
-    near_dedup: bool = True
-    threshold: float = 0.8
-    shingle_size: int = 5
-    num_perm: int = 128
-    seed: int = 1
+    title: ClassVar[str] = "records"
+    max_chars: int = option(8000, "longer documents are split into records at paragraph boundaries")
+    min_chars: int = option(20, "records shorter than this after cleaning are dropped")
+    encoding: str | None = option(None, "the encoding of text files that are not UTF-8 (e.g. gb18030, cp1252); "
+                                        "without it such files are skipped, with the reason")
+    skip_bad_lines: bool = option(False, "JSONL: skip and count bad lines (without it, a file with a bad line is "
+                                         "skipped, naming it)")
+    heldout: float = option(0.0, "share of documents (whole files, EPUB chapters, JSONL lines; chosen by a hash of "
+                                 "their name) written to <out stem>.heldout.jsonl instead, to measure the adapted "
+                                 "model on (train_pretrain.py --eval_data_path)", metavar="SHARE")
+    near_dedup: bool = option(True, "near-duplicates dropped too (--no-near_dedup: exact deduplication only)",
+                              aliases=("--no_near_dedup",))
+    threshold: float = option(0.8, "Jaccard similarity that counts as a near-duplicate")
+    # MinHash's settings, as dataset.clean has them: in a --config file only
+    shingle_size: int = option(5, "characters per shingle", hidden=True)
+    num_perm: int = option(128, "MinHash permutations", hidden=True)
+    seed: int = option(1, "MinHash seed", hidden=True)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_chars <= self.max_chars:
@@ -408,41 +415,37 @@ def _listed(files_from: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
+@dataclass
+class IngestFiles:
+    """What is read and where it goes."""
+
+    title: ClassVar[str] = "files"
+    inputs: list[str] = option([], "folders (walked) and files to read", positional=True, metavar="PATH")
+    files_from: str | None = option(None, "a text file naming one file or folder per line", metavar="LIST")
+    out: str | None = option(None, "output .jsonl; the report goes to <out>.report.json")
+    quiet: bool = option(False, "no progress bar")
+
+
+@dataclass
+class IngestConfig:
+    """`python -m dataset.ingest`'s settings: flags, or a --config file."""
+
+    files: IngestFiles = field(default_factory=IngestFiles)
+    records: IngestOptions = field(default_factory=IngestOptions)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dataset.ingest", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="*", metavar="PATH", help="folders (walked) and files to read")
-    p.add_argument("--files_from", metavar="LIST", help="a text file naming one file or folder per line")
-    p.add_argument("--out", required=True, help="output .jsonl; the report goes to <out>.report.json")
-    d = IngestOptions()
-    p.add_argument("--max_chars", type=int, default=d.max_chars,
-                   help="longer documents are split into records at paragraph boundaries (default: %(default)s)")
-    p.add_argument("--min_chars", type=int, default=d.min_chars,
-                   help="records shorter than this after cleaning are dropped (default: %(default)s)")
-    p.add_argument("--encoding", help="the encoding of text files that are not UTF-8 (e.g. gb18030, cp1252); "
-                                      "without it such files are skipped, with the reason")
-    p.add_argument("--skip_bad_lines", action="store_true", help="JSONL: skip and count bad lines (without it, "
-                                                                 "a file with a bad line is skipped, naming it)")
-    p.add_argument("--heldout", type=float, default=0.0, metavar="SHARE",
-                   help="share of documents (whole files, EPUB chapters, JSONL lines; chosen by a hash of their "
-                        "name) written to <out stem>.heldout.jsonl instead, to measure the adapted model on "
-                        "(train_pretrain.py --eval_data_path)")
-    p.add_argument("--no_near_dedup", action="store_true", help="exact deduplication only")
-    p.add_argument("--threshold", type=float, default=d.threshold,
-                   help="Jaccard similarity that counts as a near-duplicate (default: %(default)s)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-
     def run() -> dict[str, Any]:
-        inputs = list(args.inputs) + (_listed(args.files_from) if args.files_from else [])
+        config = parse_config(IngestConfig, argv, __doc__)
+        files = config.files
+        if files.out is None:
+            raise ConfigError("name the output file: --out corpus.jsonl")
+        inputs = files.inputs + (_listed(files.files_from) if files.files_from else [])
         if not inputs:
-            p.error("name at least one folder or file (or --files_from LIST)")
-        opts = IngestOptions(max_chars=args.max_chars, min_chars=args.min_chars, encoding=args.encoding,
-                             skip_bad_lines=args.skip_bad_lines, heldout=args.heldout,
-                             near_dedup=not args.no_near_dedup, threshold=args.threshold)
-        return ingest(inputs, args.out, opts, progress=not args.quiet and sys.stderr.isatty())
+            raise ConfigError("name at least one folder or file (or --files_from LIST)")
+        return ingest(inputs, files.out, config.records, progress=not files.quiet and sys.stderr.isatty())
 
-    return report_or_error(run, args.out, format_report)
+    return report_or_error(run, "", format_report)  # "": the settings, read inside run(), name the output
 
 
 if __name__ == "__main__":
