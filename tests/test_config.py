@@ -105,7 +105,7 @@ def test_eval_and_cache_entry_points_share_the_machinery(tmp_path):
 def test_ingest_takes_a_config_file_and_its_flags_as_before(tmp_path, capsys):
     """python -m dataset.ingest reads its settings through parse_config: folders as arguments, a --config file,
     the flags it always had (--no_near_dedup too), and one error line for a missing --out."""
-    from dataset import ingest
+    from dataset.ingest import cli as ingest
     docs = tmp_path / "docs"
     docs.mkdir()
     same = "A lighthouse keeper trims the wick at dusk and logs the weather by lamplight. " * 3

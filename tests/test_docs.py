@@ -12,7 +12,8 @@ import model.__main__ as model_main
 import serve_openai_api
 import train_full_sft
 import train_tokenizer
-from dataset import cache, clean, ingest, inspect
+from dataset import cache, clean, inspect
+from dataset.ingest import cli as ingest
 from export import convert
 from launch import slurm
 from trainer_utils.stages import STAGES

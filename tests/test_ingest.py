@@ -11,15 +11,14 @@ import zipfile
 import pytest
 
 from common.errors import ConfigError, DataError
-from dataset.extract import (
-    MissingLibrary,
-    Unreadable,
-    extract_file,
-    file_format,
-    join_wrapped_lines,
-    strip_page_furniture,
-)
-from dataset.ingest import IngestOptions, detect_language, find_files, heldout_path, ingest, main, split_document
+from dataset.ingest.cli import main
+from dataset.ingest.formats import extract_file, file_format
+from dataset.ingest.formats.base import MissingLibrary, Unreadable
+from dataset.ingest.formats.pdf import join_wrapped_lines, strip_page_furniture
+from dataset.ingest.language import detect_language
+from dataset.ingest.pipeline import IngestOptions, heldout_path, ingest
+from dataset.ingest.split import split_document
+from dataset.ingest.walk import find_files
 
 from conftest import ROOT
 
@@ -411,7 +410,7 @@ def test_languages_are_told_per_record(tmp_path):
 def test_languages_told_in_blocks_give_the_same_bytes(tmp_path, monkeypatch):
     # Records are cleaned a block at a time before their languages are told: a partial last block, held-out
     # records and the order of the output must not depend on the block's size.
-    import dataset.ingest as ingest_module
+    import dataset.ingest.pipeline as ingest_module
 
     options = IngestOptions(heldout=0.3, max_chars=2000)
     whole = tmp_path / "whole.jsonl"
@@ -485,7 +484,7 @@ def test_overlap_measure_can_fail():
 
 
 def test_heldout_documents_go_to_their_own_file_whole(tmp_path):
-    from dataset.ingest import is_heldout
+    from dataset.ingest.pipeline import is_heldout
 
     out = tmp_path / "corpus.jsonl"
     report = ingest([DOCUMENTS], out, IngestOptions(heldout=0.2, max_chars=2000), progress=False)

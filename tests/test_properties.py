@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from common.errors import ConfigError, TrainingError
 from common.tool_calls import parse_reply
 from common.tools import BUNDLED, ToolCall, ToolError, calculator, run_tool
-from dataset.ingest import split_document
+from dataset.ingest.split import split_document
 from dataset.tokenizer import chat_turns
 from trainer_utils.budget import HIGH, LOW, TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
 from trainer_utils.optim import WarmupCosine

@@ -1,56 +1,29 @@
-"""A folder of documents into a clean pretraining corpus, in one deterministic pass.
-
-    python -m dataset.ingest my_docs/ --out corpus.jsonl
-    python -m dataset.ingest papers/ notes/ book.epub --out corpus.jsonl --max_chars 4000
-    python -m dataset.ingest --files_from list.txt --out corpus.jsonl
-
-Walks each folder (sorted, hidden files and folders left out) and reads every .txt, .md, .html/.htm, .pdf, .epub,
-.docx and .jsonl file with the library made for its format (dataset/extract.py). Then, per document:
-  1. split at paragraph boundaries into records of at most --max_chars characters (a paragraph longer than that
-     at sentence ends, a sentence longer than that at a space);
-  2. cleaned and deduplicated as `python -m dataset.clean` does (HTML remnants, Unicode, control characters,
-     whitespace; records under --min_chars dropped; exact and MinHash near-duplicates of an earlier record
-     dropped, the first kept);
-  3. written as {"text", "source", "part", "lang"}: the file it came from (`path#chapter` for an EPUB chapter,
-     `path:line` for a JSONL record), its part number when split, and its detected language (ISO 639-1,
-     py3langid; "und" for text too short to tell).
-
-A file that gives no text is a counted skip with its reason on a `file: reason` line (encrypted or scanned
-PDF, broken archive, text not in UTF-8 ...), never an empty record and never a crash; a format whose library is
-missing names the package to install. Files of other types are counted by suffix. The same inputs give the
-same bytes. The report goes to stdout and <out>.report.json: files by type, skips and why, characters,
-duplicates, languages, and the time each format took (pages/s, MB/s).
-"""
+"""The ingest itself: every file read (formats/), each document split (split.py) into records that are cleaned and
+deduplicated as `python -m dataset.clean` does, told their language (language.py), some held out, written
+atomically with a report of what was read, skipped and kept."""
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Iterator
+from typing import Any, ClassVar, Iterator
 
-from common.config import option, parse_config
+from common.config import option
 from common.errors import ConfigError, DataError
-from dataset.clean import (
-    CleanOptions,
-    CleanStats,
-    Deduper,
-    clean_records,
-    report_or_error,
-    report_path,
-    sentence_pieces,
-)
-from dataset.extract import Extracted, Unreadable, extract_file, file_format
+from dataset.clean import CleanOptions, CleanStats, Deduper, clean_records, report_path
 from dataset.jsonl import SkipReport, write_atomic
 
-UNDETERMINED = "und"
+from .formats import extract_file, file_format
+from .formats.base import Extracted, Unreadable
+from .language import detect_language
+from .split import split_document
+from .walk import find_files, regular_file_size
+
 HELD = "_heldout"  # a record's mark, in the pipeline only, that its document is held out
-_LANGUAGE_SAMPLE = 4000  # characters looked at to tell a record's language
 _LANGUAGE_BLOCK = 256  # records cleaned before their languages are told (see lines() in ingest)
 
 
@@ -85,76 +58,6 @@ class IngestOptions:
             raise ConfigError(f"--heldout must be in [0, 1), got {self.heldout}")
 
 
-# ---------------------------------------------------------------------------------------------- the files
-def find_files(inputs: Iterable[str | Path], exclude: Iterable[Path] = ()) -> list[Path]:
-    """Every file under the inputs (folders walked in sorted order, hidden entries left out; files as given),
-    each once, in a fixed order; `exclude` (the output and its report) left out."""
-    skip = {p.resolve() for p in exclude}
-    files, seen = [], set()
-    for given in inputs:
-        root = Path(given)
-        if root.is_file():
-            found = [root]
-        elif root.is_dir():
-            found = []
-            # linked folders are read too, each real folder once: a link back up the tree is no loop
-            visited: set[str] = set()
-            for folder, dirs, names in os.walk(root, followlinks=True):
-                visited.add(os.path.realpath(folder))
-                dirs[:] = sorted(d for d in dirs if not d.startswith(".")
-                                 and os.path.realpath(os.path.join(folder, d)) not in visited)
-                found += [Path(folder) / n for n in sorted(names) if not n.startswith(".")]
-        else:
-            raise DataError(f"{root}: no such file or folder")
-        for path in found:
-            key = path.resolve()
-            if key not in seen and key not in skip:
-                seen.add(key)
-                files.append(path)
-    return files
-
-
-# ------------------------------------------------------------------------------------------------ splitting
-def _pieces(text: str, max_chars: int) -> list[str]:
-    """Cut points at the coarsest boundary that divides the text: paragraphs, lines, sentences, spaces, characters.
-    Joined, the pieces give the text back, and each is shorter than the text, so splitting them again ends: a
-    boundary only at the text's end (a long paragraph and its "\n\n") divides nothing and is passed over."""
-    for sep in ("\n\n", "\n"):
-        parts = text.split(sep)
-        pieces = [p + sep for p in parts[:-1]] + [parts[-1]]
-        if max(map(len, pieces)) < len(text):
-            return pieces
-    sentences = sentence_pieces(text)
-    if len(sentences) > 1 and max(map(len, sentences)) < len(text):
-        return sentences
-    cut = text.rfind(" ", 0, max_chars)
-    cut = cut if cut > 0 else max_chars
-    return [text[:cut], text[cut:]]
-
-
-def split_document(text: str, max_chars: int) -> list[str]:
-    """A document as consecutive records of at most max_chars characters, cut at the coarsest boundary that
-    keeps them under it (see _pieces); each record stripped of the whitespace at its ends."""
-    if len(text) <= max_chars:
-        return [text.strip()] if text.strip() else []
-    chunks, current = [], ""
-    for piece in _pieces(text, max_chars):
-        if len(piece) > max_chars:
-            if current.strip():
-                chunks.append(current.strip())
-            current = ""
-            chunks += split_document(piece, max_chars)
-        elif len(current) + len(piece) > max_chars:
-            if current.strip():
-                chunks.append(current.strip())
-            current = piece
-        else:
-            current += piece
-    if current.strip():
-        chunks.append(current.strip())
-    return chunks
-
-
 # ------------------------------------------------------------------------------------------------ held out
 def heldout_path(out: str | Path) -> Path:
     """Where --heldout documents go: corpus.jsonl -> corpus.heldout.jsonl."""
@@ -167,20 +70,6 @@ def is_heldout(where: str, share: float) -> bool:
     against the share, so a document's parts stay together and the choice does not depend on the rest."""
     digest = hashlib.sha256(where.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") < share * 2**64
-
-
-# ------------------------------------------------------------------------------------------------ language
-def detect_language(text: str) -> str:
-    """The ISO 639-1 code of the text's language (py3langid over its first characters), or "und" when there is
-    too little text to tell or py3langid is not installed (`pip install py3langid`)."""
-    sample = text[:_LANGUAGE_SAMPLE]
-    if sum(map(str.isalpha, sample)) < 10:
-        return UNDETERMINED
-    try:
-        import py3langid
-    except ImportError:
-        return UNDETERMINED
-    return py3langid.classify(sample)[0]
 
 
 # ------------------------------------------------------------------------------------------------ pipeline
@@ -217,19 +106,6 @@ class IngestStats:
     languages: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     extract_s: float = 0.0
     language_s: float = 0.0
-
-
-def regular_file_size(path: Path) -> int:
-    """The size of a file that can be read; Unreadable for what a folder may also hold: a symbolic link to nothing,
-    a FIFO or a device (opening those would wait forever, or read without end), a file that vanished."""
-    try:
-        st = path.stat()
-    except OSError as e:
-        dangling = path.is_symlink() and isinstance(e, FileNotFoundError)
-        raise Unreadable("a symbolic link to nothing" if dangling else f"cannot read it ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise Unreadable("not a regular file (a FIFO, socket or device)")
-    return st.st_size
 
 
 def _read(path: Path, opts: IngestOptions, stats: IngestStats, bad_lines: SkipReport,
@@ -405,48 +281,3 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{report['language_s']:.1f} s telling languages); "
                 f"report: {report_path(report['output'])}")
     return "\n".join(rows)
-
-
-def _listed(files_from: str) -> list[str]:
-    try:
-        text = Path(files_from).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{files_from}: cannot read the list of files ({e})") from None
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-
-
-@dataclass
-class IngestFiles:
-    """What is read and where it goes."""
-
-    title: ClassVar[str] = "files"
-    inputs: list[str] = option([], "folders (walked) and files to read", positional=True, metavar="PATH")
-    files_from: str | None = option(None, "a text file naming one file or folder per line", metavar="LIST")
-    out: str | None = option(None, "output .jsonl; the report goes to <out>.report.json")
-    quiet: bool = option(False, "no progress bar")
-
-
-@dataclass
-class IngestConfig:
-    """`python -m dataset.ingest`'s settings: flags, or a --config file."""
-
-    files: IngestFiles = field(default_factory=IngestFiles)
-    records: IngestOptions = field(default_factory=IngestOptions)
-
-
-def main(argv: list[str] | None = None) -> int:
-    def run() -> dict[str, Any]:
-        config = parse_config(IngestConfig, argv, __doc__)
-        files = config.files
-        if files.out is None:
-            raise ConfigError("name the output file: --out corpus.jsonl")
-        inputs = files.inputs + (_listed(files.files_from) if files.files_from else [])
-        if not inputs:
-            raise ConfigError("name at least one folder or file (or --files_from LIST)")
-        return ingest(inputs, files.out, config.records, progress=not files.quiet and sys.stderr.isatty())
-
-    return report_or_error(run, "", format_report)  # "": the settings, read inside run(), name the output
-
-
-if __name__ == "__main__":
-    sys.exit(main())
