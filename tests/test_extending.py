@@ -12,7 +12,7 @@ from pathlib import Path
 
 import dataset.ingest.formats as formats
 from dataset.ingest.pipeline import ingest
-from trainer_utils import loop
+from trainer_utils import driver
 from trainer_utils.stages import STAGES
 
 from conftest import cli_flags, read_metrics
@@ -98,7 +98,7 @@ def test_a_new_stage_is_its_module_and_one_registry_line(corpus, tmp_path, monke
     argv = cli_flags({"data_path": corpus["pretrain"], "cache_dir": corpus["cache"], "out_dir": tmp_path / "out",
                       "run_name": "z", "preset": "tiny", "batch_size": 2, "max_seq_len": 32, "max_steps": 3,
                       "dtype": "float32", "log_interval": 1, "num_workers": 0, "eval_interval": 3})
-    assert loop.main("zloss", argv, "pretraining with a z-loss") == 0
+    assert driver.main("zloss", argv, "pretraining with a z-loss") == 0
     run = tmp_path / "out" / "z"
     steps = read_metrics(run)
     assert [r["step"] for r in steps] == [1, 2, 3]

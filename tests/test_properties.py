@@ -7,6 +7,7 @@ many more, freshly drawn, to look for new failures (which then become @example c
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -202,8 +203,9 @@ def test_a_plan_is_the_longest_run_that_ends_by_its_target(p):
     try:
         plan = make(p)
     except TrainingError:
-        one = make_plan(1e12, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), 1, p["eval_interval"], p["save_interval"])
-        one.eval_s, one.save_s = p["eval_s"], p["save_s"] if p["save_interval"] else 0.0
+        one = dataclasses.replace(
+            make_plan(1e12, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), 1, p["eval_interval"], p["save_interval"]),
+            eval_s=p["eval_s"], save_s=p["save_s"] if p["save_interval"] else 0.0)
         assert fixed + spends(one, 0, 1, p["step_s"]) > TARGET * p["budget_s"]
         return
     end = fixed + spends(plan, 0, plan.steps, plan.step_s)
