@@ -123,20 +123,29 @@ _BLOCKS = frozenset("address article aside blockquote br dd div dl dt figcaption
                     "header hr li main nav ol p pre section table td th tr ul".split())
 
 
+# A <pre>'s own line breaks, held through the split into lines (a private-use character: no page's text has it)
+_PRE_BREAK = "\ue000"
+
+
 def block_text(root: Any) -> str:
-    """All the text of an lxml (X)HTML element, one line per block element, <pre> kept as it is (the element
-    is changed: read it once)."""
+    """All the text of an lxml (X)HTML element, one line per block element, <pre> kept as it is: its lines and
+    their indentation (the element is changed: read it once)."""
     import lxml.etree
 
-    for bad in root.iter("script", "style", "head"):
+    for bad in list(root.iter("script", "style", "head")):  # listed first: a drop ends a walk inside it
         bad.drop_tree()
     for el in root.iter():
         tag = el.tag.rsplit("}", 1)[-1] if isinstance(el.tag, str) else ""
         if tag in _BLOCKS:
             el.tail = "\n" + (el.tail or "")
-            if tag != "pre" and el.text:
+            if el.text:  # a <pre> too: "Run<pre>make" once read "Runmake"
                 el.text = "\n" + el.text
-    lines = (re.sub(r"[ \t]+", " ", line).strip() if "\n" not in line else line
+        if tag == "pre":  # its text on one line to the split below, its breaks marked
+            el.text = "\n" + _PRE_BREAK + (el.text or "").lstrip("\n").replace("\n", _PRE_BREAK)
+            for inner in el.iterdescendants():
+                inner.text, inner.tail = (t.replace("\n", _PRE_BREAK) if t else t for t in (inner.text, inner.tail))
+    lines = (re.sub(r"[ \t]+", " ", line).strip() if _PRE_BREAK not in line
+             else "\n".join(part.rstrip() for part in line.split(_PRE_BREAK)).strip("\n")
              for line in lxml.etree.tostring(root, method="text", encoding="unicode", with_tail=False).split("\n"))
     return "\n".join(line for line in lines if line.strip())
 
