@@ -32,6 +32,10 @@ from common.tools import tool_schemas
 from dataset.jsonl import SkipReport, check_path, read_records
 from dataset.tasks import Task, load_tasks, read_task_file
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+from evaluation.probes import Probe, read_prompt_file, run_probes
+from evaluation.scoring import TaskScore, kind_table, score_items, task_table, write_scores
+from evaluation.sweep import SettingResult, SweepReport, SweepSpec, parse_sweep, run_sweep
+from evaluation.tool_use import run_tools
 from model import load_model
 from model.generate import SamplingConfig
 from model.inference import (
@@ -48,11 +52,7 @@ from model.inference import (
     stream_generate,
     token_byte_lengths,
 )
-from model.probes import Probe, read_prompt_file, run_probes
-from model.scoring import TaskScore, kind_table, score_items, task_table, write_scores
 from model.stats import RouterLoad
-from model.sweep import SettingResult, SweepReport, SweepSpec, parse_sweep, run_sweep
-from model.tool_use import run_tools
 
 DEFAULT_SWEEP_PROMPTS = Path(__file__).resolve().parent / "dataset" / "prompts" / "samples.txt"
 
@@ -118,7 +118,7 @@ class Evaluator:
                                pad_token_id=self.tok.pad_id, generator=self.generator)
 
     def use_tools(self, messages: list[dict]) -> list[dict]:
-        """One answer with the bundled tools (model/tool_use.py): each call and result printed as it comes, the
+        """One answer with the bundled tools (evaluation/tool_use.py): each call and result printed as it comes, the
         final reply printed; the conversation with the new turns returned."""
         def show(_: int, message: dict) -> None:
             if message["role"] == "tool":
@@ -203,7 +203,7 @@ class Evaluator:
                 print(flush=True)
 
     def sweep(self, spec: SweepSpec, texts: list[str], options: SweepConfig) -> SweepReport:
-        """Sample each prompt at every value of the swept setting and score the samples (model/sweep.py);
+        """Sample each prompt at every value of the swept setting and score the samples (evaluation/sweep.py);
         one progress line per value on stderr."""
         prompts = []
         for text in texts:
@@ -319,7 +319,7 @@ class EvalTask:
 
 @dataclass
 class SweepConfig:
-    """A decoding sweep: one sampling setting varied over values, the samples scored (model/sweep.py)."""
+    """A decoding sweep: one sampling setting varied over values, the samples scored (evaluation/sweep.py)."""
 
     title: ClassVar[str] = "decoding sweep"
     sweep: list[str] | None = option(

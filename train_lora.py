@@ -15,7 +15,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     # Imported here: tokenizer worker processes re-import this file and must not pay for loading PyTorch.
-    from trainer_utils.loop import main as train
+    from trainer_utils.driver import main as train
 
     return train("lora", argv, __doc__)
 

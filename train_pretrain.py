@@ -14,7 +14,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     # Imported here, not at module level: tokenizer worker processes are spawned and re-import this file, and
     # must not pay for loading PyTorch (~0.4 GB each).
-    from trainer_utils.loop import main as train
+    from trainer_utils.driver import main as train
 
     return train("pretrain", argv, __doc__)
 

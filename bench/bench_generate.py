@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.device import parse_device  # noqa: E402
+from export.convert import export_hf  # noqa: E402
 from model import PocketLM, generate, get_preset, save_model  # noqa: E402
-from model.convert import export_hf  # noqa: E402
 
 
 def best_of(fn, repeats: int) -> float:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.portable import portable  # noqa: E402
 from common.device import cpu_description  # noqa: E402
 from dataset.clean import clean_file  # noqa: E402
-from dataset.ingest import IngestOptions, ingest  # noqa: E402
+from dataset.ingest.pipeline import IngestOptions, ingest  # noqa: E402
 
 N = 8
 

@@ -43,7 +43,7 @@ def option(default: Any, help: str, *, choices: Sequence[Any] | None = None, at_
            above: float | None = None, below: float | None = None, at_most: float | None = None,
            feature: str | tuple[str, ...] | None = None,
            persist: bool = True, hidden: bool = False, aliases: tuple[str, ...] = (),
-           metavar: str | None = None, several: bool = False) -> Any:
+           metavar: str | None = None, several: bool = False, positional: bool = False) -> Any:
     """A setting: its default, its help line and its checks.
 
     at_least / above / below / at_most: numeric bounds checked after parsing (None values pass).
@@ -52,10 +52,15 @@ def option(default: Any, help: str, *, choices: Sequence[Any] | None = None, at_
     persist=False: an action of one invocation (--resume), left out of the written config.
     several=True (list settings): one flag takes several values (--data_path a b); otherwise it repeats
     (--prompt a --prompt b).
+    aliases: more names of the flag; for a bool setting, an alias like --no_near_dedup (no_ and the setting's name)
+    turns it off, beside argparse's --no-near_dedup (a flag's name from before the setting had parse_config's).
+    positional=True (a list setting, one per command): its values are the command's arguments that are not
+    flags (`python -m dataset.ingest docs/ papers/ --out x.jsonl`), not a flag.
     """
     features = (feature,) if isinstance(feature, str) else feature
     meta = dict(help=help, choices=choices, at_least=at_least, above=above, below=below, at_most=at_most,
-                features=features, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar, several=several)
+                features=features, persist=persist, hidden=hidden, aliases=aliases, metavar=metavar, several=several,
+                positional=positional)
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -166,20 +171,23 @@ def _default(s: Setting, defaults: dict[str, Any]) -> Any:
 
 
 def build_parser(config_cls: type, description: str | None = None, scope: Scope | None = None,
-                 defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+                 defaults: dict[str, Any] | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with `--config` and one flag per setting, grouped as the config is.
 
     Flags default to "not given" (argparse.SUPPRESS), so parse_config can tell the command line from the file.
     """
     defaults = defaults or {}
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                usage="%(prog)s [--config FILE] [flags: see below]")
+    active = [s for s in settings(config_cls).values() if s.applies_to(scope)]
+    positional = [s for s in active if s.meta["positional"]]
+    for s in positional[1:]:  # argparse would give every value to the first
+        raise TypeError(f"{s.name}: a command has one setting for its arguments; {positional[0].name} has them")
+    arguments = "".join(f" [{s.meta['metavar'] or s.name.upper()} ...]" for s in positional)
+    p = argparse.ArgumentParser(prog=prog, description=description, usage=f"%(prog)s{arguments} [--config FILE] "
+                                "[flags: see below]", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="YAML/JSON file of settings (nested by group or flat); "
                                                     "flags given here win over it")
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for s in settings(config_cls).values():
-        if not s.applies_to(scope):
-            continue
+    for s in active:
         if s.group not in groups:
             group_cls = typing.get_type_hints(config_cls)[s.group]
             groups[s.group] = p.add_argument_group(getattr(group_cls, "title", s.group))
@@ -191,8 +199,16 @@ def build_parser(config_cls: type, description: str | None = None, scope: Scope 
             help_text += f" (default: {default})"
         help_text = argparse.SUPPRESS if s.meta["hidden"] else help_text.replace("%", "%%")  # argparse formats help
         names = [f"--{s.name}", *s.meta["aliases"]]
+        negative = [n for n in names if s.base is bool and n[2:] == f"no_{s.name}"]
+        names = [n for n in names if n not in negative]
         kw: dict[str, Any] = dict(dest=s.name, default=argparse.SUPPRESS, help=help_text)
-        if s.base is bool:
+        if s.meta["positional"]:
+            if not s.is_list:
+                raise TypeError(f"{s.name}: only a list setting can take the command's arguments")
+            names, kw["nargs"], kw["type"] = [s.name], "*", s.base
+            kw["metavar"] = s.meta["metavar"] or s.name.upper()
+            del kw["dest"]  # a positional argument's dest is its name
+        elif s.base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = s.base
@@ -205,6 +221,9 @@ def build_parser(config_cls: type, description: str | None = None, scope: Scope 
             elif s.is_list:
                 kw["action"] = "append"
         groups[s.group].add_argument(*names, **kw)
+        if negative:
+            groups[s.group].add_argument(*negative, dest=s.name, action="store_false", default=argparse.SUPPRESS,
+                                         help=argparse.SUPPRESS if s.meta["hidden"] else f"the same as --no-{s.name}")
     return p
 
 
@@ -290,15 +309,17 @@ def check_bounds(config: Any) -> None:
 
 def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, description: str | None = None,
                  scope: Scope | None = None,
-                 defaults: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> C:
+                 defaults: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 prog: str | None = None) -> C:
     """Parse the command line (and its --config file) into a checked config.
 
     `defaults` may be a function of the settings given (flags and file), for defaults that depend on them
     (continued pretraining's learning rate on --init_from); --help shows what it gives for none.
-    Usage errors exit through argparse (status 2); a bad config file or value raises ConfigError.
+    Usage errors exit through argparse (status 2); a bad config file or value raises ConfigError. `prog`: the
+    command as --help names it (default: the script's file name).
     """
     resolve = defaults if callable(defaults) else (lambda _: defaults)
-    parser = build_parser(config_cls, description, scope, resolve({}))
+    parser = build_parser(config_cls, description, scope, resolve({}), prog)
     given = vars(parser.parse_args(argv))
     path = given.pop("config", None)
     values = read_config_file(config_cls, path, scope) if path else {}

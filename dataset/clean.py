@@ -776,7 +776,8 @@ def report_or_error(run: Callable[[], dict[str, Any]], out: str, describe: Calla
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: {e.filename or out}: {e.strerror or e}", file=sys.stderr)
+        where = e.filename or out  # the output, when the error names no file
+        print(f"error: {where}: {e.strerror or e}" if where else f"error: {e.strerror or e}", file=sys.stderr)
         return 1
     print(describe(report))
     return 0

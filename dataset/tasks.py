@@ -28,7 +28,7 @@ the user's; a last assistant turn, as MiniMind's RL prompts have one, is left ou
 prompt_messages).
 
 An item with a "tool_call" ({"name", "arguments"}: the call expected first) is a tool item: a chat whose first,
-system turn offers "tools", carried through tool use with the bundled tools (model/tool_use.py; at most
+system turn offers "tools", carried through tool use with the bundled tools (evaluation/tool_use.py; at most
 "max_tool_rounds" rounds of calls, default 3) and scored on its first call and its final "answer"
 (scripts/build_tool_demo.py writes dataset/demo/tools_heldout.jsonl so).
 """
@@ -89,7 +89,7 @@ class GenerationItem:
 class ToolItem:
     """One tool-use item: a chat prompt offering tools (its first, system turn's "tools"), the call expected
     first (a tool's name and arguments), the right final answers, the new-token budget of each reply, the most
-    rounds of tool calls run (model/tool_use.py), and its `kind` label (results are broken down by it)."""
+    rounds of tool calls run (evaluation/tool_use.py), and its `kind` label (results are broken down by it)."""
 
     id: str
     messages: tuple[dict[str, Any], ...]

@@ -446,6 +446,20 @@ class Block(nn.Module):
 
 
 # ---------------------------------------------------------------------------- model
+def shared_context_mask(segment: torch.Tensor) -> torch.Tensor:
+    """The (B, 1, L, L) attention mask (True: may attend) of rows that each hold a shared context and
+    continuations of it: `segment` (B, L) is 0 on the context, j >= 1 on continuation j, -1 on padding. The
+    context is causal; a continuation sees the context and its own earlier tokens, never another continuation;
+    a pad sees only itself (a query that sees nothing would make SDPA return NaN)."""
+    L = segment.shape[1]
+    order = torch.arange(L, device=segment.device)
+    seen = segment[:, None, :]  # the key's segment, for each query row
+    mask = (order[None, None, :] <= order[None, :, None]) & (seen >= 0) & \
+        ((seen == 0) | (seen == segment[:, :, None]))
+    mask |= torch.eye(L, dtype=torch.bool, device=segment.device)[None]
+    return mask[:, None]
+
+
 class PocketLM(nn.Module):
     """Decoder-only language model: token ids (B, T) -> next-token logits (B, T, vocab)."""
 
@@ -532,7 +546,7 @@ class PocketLM(nn.Module):
         attention_mask is the Hugging Face-style (B, start+T) padding mask over cached and new tokens. Causality
         is by cache slot: with left padding a row's slot order is its token order. A 4-D (B, 1, T, start+T)
         attention_mask is used as it is, for attention that is not a plain causal order (several continuations
-        after one shared context in one row, each seeing the context and itself: model/scoring.py).
+        after one shared context in one row, each seeing the context and itself: shared_context_mask above).
         """
         if attention_mask is not None and attention_mask.dim() == 4:
             return attention_mask.bool()

@@ -5,7 +5,8 @@ the original.
 
     python scripts/mutate.py                          # every module of TARGETS
     python scripts/mutate.py common/tools.py          # one (make: MODULES=common/tools.py make mutate)
-    python scripts/mutate.py dataset/ingest.py --only _pieces x_split_document__mutmut_7   # functions or mutants
+    python scripts/mutate.py 'dataset/ingest/*.py'    # a folder's modules, together
+    python scripts/mutate.py dataset/ingest/split.py --only _pieces x_split_document__mutmut_7   # functions or mutants
 
 The tester is mutmut (pinned in requirements-mutate.txt, which `make mutate` installs): it writes every mutant of a
 function into one copy of the module behind a switch, runs the tests once to learn which tests call which function,
@@ -159,8 +160,6 @@ EXTRACT_EQUIVALENT = (
                'a Clark-notation tag holds one "}" (lxml ends the namespace at the first): every split gives the same '
                'name'),
     Equivalent("block_text", ('else "XXXX"',), '"XXXX" is no block tag, as "" is not (comments stay no block)'),
-    Equivalent("block_text", (r'("\n" not in line) or True', r'"XX\nXX" not in line'),
-               'the lines come from split("\\n"): none holds "\\n", the else branch is dead (the <pre> bug reported)'),
     Equivalent("block_text", ("with_tail=None", 'method="TEXT"', 'encoding="UNICODE"'),
                "lxml reads with_tail as a truth value (None is False), method and encoding names case-insensitively"),
     Equivalent("join_wrapped_lines", ("_CJK.match(line[:2])",),
@@ -224,8 +223,9 @@ TARGETS: dict[str, Target] = {
     "trainer_utils/objectives.py": Target(("tests/test_objectives.py", "tests/test_rl.py", "tests/test_dpo.py",
                                            "tests/test_distillation.py", "tests/test_stages.py"),
                                           OBJECTIVES_EQUIVALENT),
-    "dataset/ingest.py": Target(("tests/test_ingest.py", "tests/test_properties.py"), INGEST_EQUIVALENT),
-    "dataset/extract.py": Target(("tests/test_ingest.py", "tests/test_extract.py"), EXTRACT_EQUIVALENT),
+    "dataset/ingest/*.py": Target(("tests/test_ingest.py", "tests/test_properties.py", "tests/test_config.py"),
+                                  INGEST_EQUIVALENT),
+    "dataset/ingest/formats/*.py": Target(("tests/test_ingest.py", "tests/test_extract.py"), EXTRACT_EQUIVALENT),
     "common/tools.py": Target(TOOL_TESTS, TOOLS_EQUIVALENT),
 }
 
@@ -236,6 +236,7 @@ class Mutant:
 
     name: str
     status: str  # mutmut's: killed, survived, timeout, no tests, ...
+    module: str  # its file
     function: str  # "function" or "Class.method"
     line: int  # in the module as it is in the working tree
     before: str
@@ -278,15 +279,20 @@ def decorate_at_end(path: Path) -> None:
         path.write_text("".join(lines) + "\n\n# scripts/mutate.py: the decorators, applied here\n" + "".join(rewraps))
 
 
-def write_config(copy: Path, module: str, tests: tuple[str, ...]) -> None:
-    """mutmut's settings (setup.cfg in the copy): everything copied into its tree, one module mutated, these tests."""
+def modules_of(target: str) -> list[str]:
+    """The files a TARGETS key names: itself, or those its glob matches ("dataset/ingest/*.py": one folder's)."""
+    return sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(target)) if "*" in target else [target]
+
+
+def write_config(copy: Path, modules: list[str], tests: tuple[str, ...]) -> None:
+    """mutmut's settings (setup.cfg in the copy): everything copied into its tree, `modules` mutated, these tests."""
     skip = {"tests", "setup.cfg"}  # mutmut copies tests/ itself
     entries = sorted(p.name for p in copy.iterdir() if not p.name.startswith(".") and p.name not in skip)
     listed = lambda values: "".join(f"\n    {v}" for v in values)  # noqa: E731
     (copy / "setup.cfg").write_text(
         "[mutmut]\n"
         f"source_paths ={listed(entries)}\n"
-        f"only_mutate = {module}\n"
+        f"only_mutate ={listed(modules)}\n"
         f"pytest_add_cli_args_test_selection ={listed(tests)}\n"
         "pytest_add_cli_args = -p no:cacheprovider\n"
         # a mutant that loops forever waits out (estimate + 1) * multiplier CPU seconds: 3, not mutmut's 15
@@ -330,9 +336,9 @@ def read_mutants(copy: Path, module: str) -> list[Mutant]:
         before, after = body(f"{mangled}__mutmut_orig", function), body(generated, function)
         opcode = next(op for op in difflib.SequenceMatcher(a=before, b=after).get_opcodes() if op[0] != "equal")
         _, b1, b2, a1, a2 = opcode
-        mutants.append(Mutant(name, status_by_exit_code[code], function, original[function].lineno + b1,
+        mutants.append(Mutant(name, status_by_exit_code[code], module, function, original[function].lineno + b1,
                               before[b1].strip() if b1 < b2 else "", after[a1].strip() if a1 < a2 else ""))
-    return sorted(mutants, key=lambda m: (m.line, m.name))
+    return sorted(mutants, key=lambda m: (m.line, m.name))  # one module's: in the order of its lines
 
 
 @dataclass
@@ -376,7 +382,7 @@ def report(module: str, mutants: list[Mutant], equivalent: tuple[Equivalent, ...
           f"({seconds / 60:.1f} min)")
     for m in alive:
         note = "" if m.status == "survived" else f"  [{m.status}]"
-        print(f"  {module}:{m.line} {m.function}: {m.before}  ->  {m.after or '(removed)'}{note}  [{short_name(m)}]")
+        print(f"  {m.module}:{m.line} {m.function}: {m.before}  ->  {m.after or '(removed)'}{note}  [{short_name(m)}]")
     for e in equivalent if whole else ():
         for fragment in e.mutants:
             if (e.function, fragment) not in matched:
@@ -398,24 +404,29 @@ def short_name(m: Mutant) -> str:
     return m.name.rpartition(".")[2]
 
 
-def mutate(module: str, target: Target, jobs: int, keep: bool, only: tuple[str, ...] = ()) -> Score:
-    """Copy the checkout, run mutmut on one module there (on the mutants `only` names alone when given: functions
-    or mutants), report; the copy is removed unless `keep` (or mutmut failed: its log is then kept and named)."""
+def mutate(name: str, target: Target, jobs: int, keep: bool, only: tuple[str, ...] = ()) -> Score:
+    """Copy the checkout, run mutmut on a target's modules there (on the mutants `only` names alone when given:
+    functions or mutants), report; the copy is removed unless `keep` (or mutmut failed: its log is then kept and
+    named)."""
     start = time.monotonic()
+    modules = modules_of(name)
     copy = Path(tempfile.mkdtemp(prefix="pocketlm-mutate-"))
     copy_checkout(copy)
-    decorate_at_end(copy / module)
-    write_config(copy, module, target.tests)
+    for module in modules:
+        decorate_at_end(copy / module)
+    write_config(copy, modules, target.tests)
     log = copy / "mutmut.log"
-    print(f"{module}: mutmut on {', '.join(target.tests)} (in {copy}, log mutmut.log)", flush=True)
+    print(f"{name}: mutmut on {', '.join(target.tests)} (in {copy}, log mutmut.log)", flush=True)
     with open(log, "w") as out:
         done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs),
                                *map(mutant_pattern, only)], cwd=copy, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0 or not (copy / "mutants" / f"{module}.meta").is_file():
+    # a module with no function to mutate (a package's __init__ of imports) has no results
+    if done.returncode != 0 or not any((copy / "mutants" / f"{m}.meta").is_file() for m in modules):
         tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-30:]
-        raise SystemExit(f"mutmut failed on {module} (exit {done.returncode}); the end of {log}:\n" + "\n".join(tail))
-    mutants = [m for m in read_mutants(copy, module) if not only or m.function in only or short_name(m) in only]
-    score = report(module, mutants, target.equivalent, time.monotonic() - start, whole=not only)
+        raise SystemExit(f"mutmut failed on {name} (exit {done.returncode}); the end of {log}:\n" + "\n".join(tail))
+    mutants = [m for module in modules if (copy / "mutants" / f"{module}.meta").is_file()
+               for m in read_mutants(copy, module) if not only or m.function in only or short_name(m) in only]
+    score = report(name, mutants, target.equivalent, time.monotonic() - start, whole=not only)
     if keep:
         print(f"  kept: {copy} (`python -m mutmut show NAME` there shows a mutant)")
     else:

@@ -11,6 +11,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# the project's library packages, lowest first (docs/layout.md; tests/test_imports.py checks the arrows between them)
+PACKAGES = ("common", "model", "dataset", "evaluation", "export", "trainer_utils", "serving", "launch")
 
 from model import ModelConfig, get_preset  # noqa: E402
 

@@ -4,6 +4,7 @@ their band, the plan's record and summary line, the process's age, the budget's 
 number is worked out by hand (the arithmetic is in the comments); nothing here trains, so it is fast."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -90,15 +91,18 @@ def test_fit_counts_the_evaluations_and_checkpoints_and_takes_an_exact_fit():
 def test_the_end_is_the_last_replans():
     plan = plan_of(steps=60)
     assert plan.end == 60
-    plan.replans += [{"step": 10, "steps": 50, "step_s": 1.2, "spent_s": 20.0},
-                     {"step": 20, "steps": 70, "step_s": 0.8, "spent_s": 31.0}]
-    assert plan.end == 70
+    again = plan.replanned(10, 50, 1.2, 20.0).replanned(20, 70, 0.8, 31.0)
+    assert again.end == 70 and plan.end == 60  # a re-plan is a new plan: the first is as it was
+    assert again.replans == ({"step": 10, "steps": 50, "step_s": 1.2, "spent_s": 20.0},
+                             {"step": 20, "steps": 70, "step_s": 0.8, "spent_s": 31.0})
+    assert plan.replanned(5, 9, 1.23456789, 7.12345).replans[0] == {"step": 5, "steps": 9, "step_s": 1.234568,
+                                                                     "spent_s": 7.123}  # rounded as recorded
 
 
 def test_projected_counts_from_the_step_to_the_plans_end_now():
     plan = plan_of(steps=60, eval_s=0.0, save_s=0.0)
     assert budget_mod.projected(plan, 20, 25.0, 2.0) == 25 + 40 * 2.0
-    plan.replans.append({"step": 20, "steps": 30, "step_s": 2.0, "spent_s": 25.0})
+    plan = plan.replanned(20, 30, 2.0, 25.0)
     assert budget_mod.projected(plan, 20, 25.0, 2.0) == 25 + 10 * 2.0
 
 
@@ -140,8 +144,7 @@ def test_the_summary_of_a_plan_the_limit_ends(save_interval, what):
     assert plan.steps == 40 and plan.save_interval == (1000 if save_interval else 41)  # 41: never due
     assert plan.summary() == ("time budget 1m 00s: 40 steps at 0.5 s (measured over 12 steps after a warm-up), "
                               f"1 evaluation at 2 s, {what}{EARLY}")
-    plan.limit = 41
-    assert plan.summary().endswith(what)  # a step more was allowed: the budget ended it
+    assert dataclasses.replace(plan, limit=41).summary().endswith(what)  # a step more was allowed: the budget ended it
 
 
 def test_the_summary_counts_the_first_steps_evaluation_and_checkpoint():
@@ -175,7 +178,7 @@ def test_a_plan_recorded_before_the_newer_fields_reads_with_their_defaults():
            "save_s": 0.5, "eval_interval": 100, "save_interval": 50, "setup_s": 30.0, "check_every": 6,
            "gone": "a field since removed"}
     plan = BudgetPlan.from_dict(old)
-    assert (plan.steps, plan.timed_steps, plan.start_s, plan.replans, plan.used_s, plan.end) == (500, 0, 0.0, [], 0.0,
+    assert (plan.steps, plan.timed_steps, plan.start_s, plan.replans, plan.used_s, plan.end) == (500, 0, 0.0, (), 0.0,
                                                                                                    500)
 
 

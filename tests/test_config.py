@@ -17,7 +17,7 @@ import train_full_sft
 import train_grpo
 import train_lora
 import train_pretrain
-from common.config import build_config, parse_config, read_config_file, to_dict
+from common.config import build_config, option, parse_config, read_config_file, to_dict
 from common.errors import ConfigError
 from dataset import cache as cache_mod
 from model import load_model
@@ -100,6 +100,84 @@ def test_eval_and_cache_entry_points_share_the_machinery(tmp_path):
     training = parse_train_config("pretrain", [], "").data
     assert parse_config(CacheConfig, ["--data_path", "f.jsonl"]).data == \
         type(training)(**{**vars(training), "data_path": ["f.jsonl"]})  # the same data defaults
+
+
+def test_ingest_takes_a_config_file_and_its_flags_as_before(tmp_path, capsys):
+    """python -m dataset.ingest reads its settings through parse_config: folders as arguments, a --config file,
+    the flags it always had (--no_near_dedup too), and one error line for a missing --out."""
+    from dataset.ingest import cli as ingest
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    same = "A lighthouse keeper trims the wick at dusk and logs the weather by lamplight. " * 3
+    (docs / "a.txt").write_text(same + "First.", encoding="utf-8")
+    (docs / "b.txt").write_text(same + "Second.", encoding="utf-8")  # a near-duplicate of a.txt
+    recipe = tmp_path / "ingest.yaml"
+    recipe.write_text("records:\n  min_chars: 5\n  near_dedup: false\nfiles:\n  quiet: true\n")
+    runs = {"file": [str(docs), "--config", str(recipe)], "flag": [str(docs), "--no_near_dedup", "--quiet"],
+            "default": [str(docs), "--quiet"]}
+    for name, argv in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        assert ingest.main([*argv, "--out", str(out)]) == 0
+        kept = json.loads(out.with_name(out.name + ".report.json").read_text())["records"]["kept"]
+        assert kept == (1 if name == "default" else 2), name  # near-deduplication drops b.txt by default only
+    capsys.readouterr()
+    assert ingest.main([str(docs)]) == 2
+    assert capsys.readouterr().err == "error: name the output file: --out corpus.jsonl\n"
+
+
+@dataclasses.dataclass
+class _Files:
+    inputs: list[str] = option([], "folders and files", positional=True, metavar="PATH")
+    out: str = option("x.jsonl", "where")
+
+
+@dataclasses.dataclass
+class _PositionalConfig:
+    files: _Files = dataclasses.field(default_factory=_Files)
+
+
+def test_a_list_setting_takes_the_commands_arguments(tmp_path, capsys):
+    """positional=True: the values that are not flags; a config file may give them; the command line wins."""
+    parsed = parse_config(_PositionalConfig, ["a", "b c", "--out", "y"]).files
+    assert (parsed.inputs, parsed.out) == (["a", "b c"], "y")
+    assert parse_config(_PositionalConfig, ["--out", "y"]).files.inputs == []  # none given: the default
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("inputs: [p, q]\n")
+    assert parse_config(_PositionalConfig, ["--config", str(recipe)]).files.inputs == ["p", "q"]
+    assert parse_config(_PositionalConfig, ["--config", str(recipe), "r"]).files.inputs == ["r"]
+    with pytest.raises(SystemExit):
+        parse_config(_PositionalConfig, ["--help"])
+    assert " [PATH ...] [--config FILE] [flags: see below]\n" in capsys.readouterr().out.splitlines(True)[0]
+
+
+@dataclasses.dataclass
+class _One:
+    path: str = option("", "a path", positional=True)
+
+
+@dataclasses.dataclass
+class _Two:
+    a: list[str] = option([], "some", positional=True)
+    b: list[str] = option([], "more", positional=True)
+
+
+@dataclasses.dataclass
+class _OnePathConfig:
+    one: _One = dataclasses.field(default_factory=_One)
+
+
+@dataclasses.dataclass
+class _TwoListsConfig:
+    two: _Two = dataclasses.field(default_factory=_Two)
+
+
+@pytest.mark.parametrize("config, message", [
+    (_OnePathConfig, "path: only a list setting can take the command's arguments"),
+    (_TwoListsConfig, "b: a command has one setting for its arguments; a has them"),
+])
+def test_one_list_setting_at_most_takes_the_arguments(config, message):
+    with pytest.raises(TypeError, match=message):
+        parse_config(config, [])
 
 
 # ---------------------------------------------------------------- recipes and re-runs

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
+from export.convert import export_hf, from_hf_config, import_hf
 from model import CheckpointError, ConfigError, PocketLM, get_preset, load_model, save_model
 from model.config import parse_rope_scaling
-from model.convert import export_hf, from_hf_config, import_hf
 
 from conftest import ROOT, tiny_config
 

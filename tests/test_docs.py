@@ -12,15 +12,15 @@ import model.__main__ as model_main
 import serve_openai_api
 import train_full_sft
 import train_tokenizer
-from dataset import cache, clean, ingest, inspect
+from dataset import cache, clean, inspect
+from dataset.ingest import cli as ingest
+from export import convert
 from launch import slurm
-from model import convert
 from trainer_utils.stages import STAGES
 
-from conftest import ROOT
+from conftest import PACKAGES, ROOT
 
-LIBRARY = [p for d in ("common", "dataset", "model", "trainer_utils", "launch", "serving")
-           for p in (ROOT / d).rglob("*.py")]
+LIBRARY = [p for d in PACKAGES for p in (ROOT / d).rglob("*.py")]
 # every training script (one per registered stage), then the other entry points
 ENTRY_POINTS = {**{s.script: importlib.import_module(s.script.removesuffix(".py")).main for s in STAGES.values()},
                 "eval_model.py": eval_model.main, "dataset.cache": cache.main, "dataset.clean": clean.main,

@@ -1,6 +1,7 @@
-"""dataset.extract, line by line: each reader's text checked whole against hand-written text from small real files
-written here (with each format's own library), and each Unreadable reason checked whole, so that a changed rule or
-message is noticed (test_ingest.py measures the extraction of larger documents by their overlap with a reference)."""
+"""dataset/ingest/formats (the readers), line by line: each reader's text checked whole against hand-written text
+from small real files written here (with each format's own library), and each Unreadable reason checked whole, so
+that a changed rule or message is noticed (test_ingest.py measures the extraction of larger documents by their
+overlap with a reference)."""
 from __future__ import annotations
 
 import codecs
@@ -10,23 +11,11 @@ import zipfile
 
 import pytest
 
-from dataset.extract import (
-    READERS,
-    Document,
-    Extracted,
-    MissingLibrary,
-    Unreadable,
-    _frame_body,
-    _prose_size,
-    _short_main,
-    _slug,
-    block_text,
-    extract_file,
-    file_format,
-    join_wrapped_lines,
-    prepare_page,
-    strip_page_furniture,
-)
+from dataset.ingest.formats import extract_file, file_format
+from dataset.ingest.formats.base import Document, Extracted, MissingLibrary, Reading, Unreadable
+from dataset.ingest.formats.html import _frame_body, _prose_size, _short_main, _slug, block_text, prepare_page
+from dataset.ingest.formats.jsonl import JSONL
+from dataset.ingest.formats.pdf import join_wrapped_lines, strip_page_furniture
 from dataset.jsonl import SkipReport
 
 NIGHT = "The keeper trims the lamp twice each night and writes the weather in the log book by the door."
@@ -117,7 +106,7 @@ def test_jsonl_bad_lines_are_named_by_line_or_skipped_and_counted(tmp_path):
     assert docs == [Document("first", f"{path}:1"), Document("third", f"{path}:3")]
     assert dict(report.counts) == {"expected a JSON object, got list": 1}
     with pytest.raises(Unreadable, match="^line 2: "):  # the reader's own default: bad lines are errors
-        READERS["jsonl"](path)
+        JSONL.read(path, Reading())
     # a reason about the whole file loses its "path: " prefix
     assert reason(write(tmp_path / "e.jsonl", b"")) == "no usable records (empty file, or every line was bad)"
 
@@ -272,6 +261,22 @@ def test_block_text_puts_each_block_on_its_line():
     assert block_text(root) == "The lamp\nOil and wick\ntrimmed\nin a div\none\ntwo\nafter\nRun\nmake all"
     body = lxml.html.document_fromstring("<html><body><main><p>The lamp</p></main>tail</body></html>").find("body")
     assert block_text(body.find("main")) == "The lamp"
+
+
+def test_block_text_keeps_a_pre_as_it_is():
+    """Code in an EPUB chapter or a short page: its lines, their indentation and its blank lines kept, inline
+    markup inside it read as text, trailing spaces dropped; the text around it on lines of its own."""
+    import lxml.etree
+    import lxml.html
+
+    root = lxml.html.document_fromstring(
+        "<html><body><p>Code:</p><pre>def lamp(oil):\n    if oil:  \n        return <b>'lit'</b>\n\n    return None"
+        "</pre><p>After  it.</p><pre>  one line</pre></body></html>")
+    assert block_text(root) == ("Code:\ndef lamp(oil):\n    if oil:\n        return 'lit'\n\n    return None\n"
+                                "After it.\n  one line")
+    xhtml = lxml.etree.fromstring('<body xmlns="http://www.w3.org/1999/xhtml"><p>Run</p><pre>\nmake\n  all\n</pre>'
+                                  "</body>")
+    assert block_text(xhtml) == "Run\nmake\n  all"  # its first and last line breaks are no lines
 
 
 def test_block_text_reads_xhtml_tags_in_their_namespace():

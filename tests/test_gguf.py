@@ -1,4 +1,4 @@
-"""GGUF export (model/gguf.py) checked against llama.cpp itself, through llama-cpp-python.
+"""GGUF export (export/gguf.py) checked against llama.cpp itself, through llama-cpp-python.
 
 llama.cpp must tokenize like PocketLM, compute the same next-token logits, continue greedily token for token, and
 find the chat template in the file. Without llama_cpp installed the llama.cpp tests skip, except where
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 from common.device import cpu_flags
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+from export.convert import main as convert_main
+from export.gguf import export_gguf
 from model import ConfigError, PocketLM, load_model, save_model
 from model.config import parse_rope_scaling
-from model.convert import main as convert_main
 from model.generate import generate
-from model.gguf import export_gguf
 from model.model import interleave_rope_rows
 
 from conftest import tiny_config

@@ -10,11 +10,7 @@ from __future__ import annotations
 import ast
 import re
 
-import pytest
-
-from conftest import ROOT
-
-PACKAGES = ("common", "dataset", "model", "trainer_utils", "serving", "launch")
+from conftest import PACKAGES, ROOT
 
 
 def project_modules() -> dict[str, object]:
@@ -106,17 +102,40 @@ def test_the_circle_finder_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("low, high", [("common", ("dataset", "model", "trainer_utils", "serving", "launch")),
-                                       ("model", ("dataset", "trainer_utils", "serving")),
-                                       ("dataset", ("model", "trainer_utils", "serving")),
-                                       ("serving", ("trainer_utils",)),
-                                       ("launch", ("trainer_utils", "model", "dataset", "serving"))])
-def test_dependencies_point_down(low, high):
-    # a package's __main__ is an entry point like the top-level scripts (`python -m model --plan` times training
-    # steps): nothing imports it, so what it imports cannot make the package depend on a higher one
-    graph = {m: deps for m, deps in import_graph().items() if not m.endswith(".__main__")}
-    up = sorted((m, d) for m, deps in graph.items() if m.split(".")[0] == low for d in deps if d.split(".")[0] in high)
-    assert up == []
+# The rooms and the arrows allowed between them (docs/layout.md): each package may import the ones listed, and
+# only those; everything may import common/, which imports nothing of the project.
+MAY_IMPORT = {
+    "common": (),
+    "model": ("common",),
+    "dataset": ("common",),
+    "evaluation": ("common", "model"),
+    "export": ("common", "model"),
+    "serving": ("common", "model", "dataset"),
+    "trainer_utils": ("common", "model", "dataset", "evaluation"),
+    "launch": ("common",),
+}
+
+
+def test_every_package_has_its_place():
+    assert sorted(MAY_IMPORT) == sorted(PACKAGES)
+
+
+def arrows_not_allowed(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports from one package into another that MAY_IMPORT does not list. A package's __main__ is an entry
+    point like the top-level scripts (`python -m model --plan` times training steps): nothing imports it
+    (test_nothing_imports_an_entry_point), so what it imports makes no package depend on another."""
+    return sorted((m, d) for m, deps in graph.items() if not m.endswith(".__main__") for d in deps
+                  if d.split(".")[0] != m.split(".")[0] and d.split(".")[0] not in MAY_IMPORT[m.split(".")[0]])
+
+
+def test_dependencies_point_down():
+    assert arrows_not_allowed(import_graph()) == []
+
+
+def test_an_arrow_up_is_found():
+    graph = {"model.model": {"common.errors", "evaluation.scoring"}, "evaluation.scoring": {"model.model"},
+             "model.__main__": {"trainer_utils.planner"}}
+    assert arrows_not_allowed(graph) == [("model.model", "evaluation.scoring")]
 
 
 def test_nothing_imports_an_entry_point():
@@ -130,3 +149,10 @@ def test_shared_constants_are_defined_once():
             defined.setdefault(name, []).append(str(path.relative_to(ROOT)))
     twice = {name: paths for name, paths in defined.items() if len(paths) > 1}
     assert twice == {}
+
+
+def test_the_layout_page_shows_these_arrows():
+    """docs/layout.md's map of rooms and arrows is MAY_IMPORT: a change to one must reach the other."""
+    shown = dict(re.findall(r"^(\w+)/\s+-> (.+)$", (ROOT / "docs" / "layout.md").read_text(), re.M))
+    assert {room: sorted(r.rstrip("/") for r in arrows.split()) if arrows != "nothing of the project" else []
+            for room, arrows in shown.items()} == {room: sorted(arrows) for room, arrows in MAY_IMPORT.items()}

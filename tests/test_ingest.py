@@ -1,4 +1,4 @@
-"""dataset.ingest and dataset.extract: every format read from real files (made with each format's own library),
+"""dataset.ingest and its readers (formats/): every format read from real files (made with each format's own library),
 the broken ones skipped with their reason, splitting, page furniture, languages, determinism, the CLI, and the
 bundled example folder's extraction quality (bench/bench_ingest.py's measure)."""
 from __future__ import annotations
@@ -16,25 +16,14 @@ from pathlib import Path
 import pytest
 
 from common.errors import ConfigError, DataError
-from dataset.extract import (
-    MissingLibrary,
-    Unreadable,
-    extract_file,
-    file_format,
-    join_wrapped_lines,
-    strip_page_furniture,
-)
-from dataset.ingest import (
-    FormatStats,
-    IngestOptions,
-    detect_language,
-    find_files,
-    heldout_path,
-    ingest,
-    is_heldout,
-    main,
-    split_document,
-)
+from dataset.ingest.cli import main
+from dataset.ingest.formats import extract_file, file_format
+from dataset.ingest.formats.base import MissingLibrary, Unreadable
+from dataset.ingest.formats.pdf import join_wrapped_lines, strip_page_furniture
+from dataset.ingest.language import detect_language
+from dataset.ingest.pipeline import FormatStats, IngestOptions, heldout_path, ingest, is_heldout
+from dataset.ingest.split import split_document
+from dataset.ingest.walk import find_files
 
 from conftest import ROOT
 
@@ -426,7 +415,7 @@ def test_languages_are_told_per_record(tmp_path):
 def test_languages_told_in_blocks_give_the_same_bytes(tmp_path, monkeypatch):
     # Records are cleaned a block at a time before their languages are told: a partial last block, held-out
     # records and the order of the output must not depend on the block's size.
-    import dataset.ingest as ingest_module
+    import dataset.ingest.pipeline as ingest_module
 
     options = IngestOptions(heldout=0.3, max_chars=2000)
     whole = tmp_path / "whole.jsonl"
@@ -500,7 +489,7 @@ def test_overlap_measure_can_fail():
 
 
 def test_heldout_documents_go_to_their_own_file_whole(tmp_path):
-    from dataset.ingest import is_heldout
+    from dataset.ingest.pipeline import is_heldout
 
     out = tmp_path / "corpus.jsonl"
     report = ingest([DOCUMENTS], out, IngestOptions(heldout=0.2, max_chars=2000), progress=False)
@@ -639,7 +628,7 @@ def write_folder(root) -> int:
 def run_cli(root, *args, tick: float = TICK, block: int = 256) -> tuple[int, str, str]:
     """main(args) run in the folder `root`, on a terminal, by a fake clock, telling languages `block` records at a
     time: its exit code, stdout and stderr."""
-    import dataset.ingest as ingest_module
+    import dataset.ingest.pipeline as ingest_module
 
     stdout, stderr = io.StringIO(), Terminal()
     with pytest.MonkeyPatch.context() as mp:
@@ -845,47 +834,51 @@ def test_ten_letters_are_enough_to_tell_a_language():
 
 
 def test_cli_help_names_every_option_with_its_default(monkeypatch, capsys):
-    """--help: the module's docstring as written, and each option with its help (defaults filled in)."""
-    import dataset.ingest as ingest_module
+    """--help: the command's docstring as written, and each option with its help (defaults filled in)."""
+    import dataset.ingest.cli as cli_module
 
     monkeypatch.setenv("COLUMNS", "250")  # one line per option
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    assert text.startswith(
-        "usage: python -m dataset.ingest [-h] [--files_from LIST] --out OUT [--max_chars MAX_CHARS] "
-        "[--min_chars MIN_CHARS] [--encoding ENCODING] [--skip_bad_lines] [--heldout SHARE] [--no_near_dedup] "
-        "[--threshold THRESHOLD] [--quiet] [PATH ...]\n\n" + ingest_module.__doc__)
+    assert text.startswith("usage: python -m dataset.ingest [PATH ...] [--config FILE] [flags: see below]\n\n"
+                           + cli_module.__doc__)
     lines = text.splitlines()
     for option, help_ in [
+        ("  --config FILE         ", "YAML/JSON file of settings (nested by group or flat); flags given here win over "
+                                   "it"),
         ("  PATH                  ", "folders (walked) and files to read"),
         ("  --files_from LIST     ", "a text file naming one file or folder per line"),
         ("  --out OUT             ", "output .jsonl; the report goes to <out>.report.json"),
-        ("                        ", "longer documents are split into records at paragraph boundaries (default: 8000)"),
-        ("                        ", "records shorter than this after cleaning are dropped (default: 20)"),
+        ("  --quiet, --no-quiet   ", "no progress bar"),
+        ("  --max_chars N         ", "longer documents are split into records at paragraph boundaries (default: 8000)"),
+        ("  --min_chars N         ", "records shorter than this after cleaning are dropped (default: 20)"),
         ("  --encoding ENCODING   ", "the encoding of text files that are not UTF-8 (e.g. gb18030, cp1252); without "
                                    "it such files are skipped, with the reason"),
-        ("  --skip_bad_lines      ", "JSONL: skip and count bad lines (without it, a file with a bad line is "
+        ("                        ", "JSONL: skip and count bad lines (without it, a file with a bad line is "
                                    "skipped, naming it)"),
         ("  --heldout SHARE       ", "share of documents (whole files, EPUB chapters, JSONL lines; chosen by a hash of "
                                    "their name) written to <out stem>.heldout.jsonl instead, to measure the adapted "
-                                   "model on (train_pretrain.py --eval_data_path)"),
-        ("  --no_near_dedup       ", "exact deduplication only"),
-        ("                        ", "Jaccard similarity that counts as a near-duplicate (default: 0.8)"),
-        ("  --quiet               ", "no progress bar"),
+                                   "model on (train_pretrain.py --eval_data_path) (default: 0.0)"),
+        ("                        ", "near-duplicates dropped too (--no-near_dedup: exact deduplication only) (on by "
+                                   "default)"),
+        ("  --no_near_dedup       ", "the same as --no-near_dedup"),
+        ("  --threshold X         ", "Jaccard similarity that counts as a near-duplicate (default: 0.8)"),
     ]:
         assert option + help_ in lines, (option, help_)
+    # the settings MinHash needs are a --config file's only
+    assert not any(flag in text for flag in ("--shingle_size", "--num_perm", "--seed"))
 
 
 @pytest.mark.parametrize("args, message", [
-    (["docs"], "the following arguments are required: --out"),
+    (["docs"], "name the output file: --out corpus.jsonl"),
     (["--out", "c.jsonl"], "name at least one folder or file (or --files_from LIST)"),
+    (["docs", "--out", "c.jsonl", "--max_chars", "10", "--min_chars", "20"],
+     "need 1 <= --min_chars <= --max_chars, got 20 and 10"),
 ])
 def test_cli_usage_errors(args, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(args)
-    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"error: {message}\n")
+    assert main(args) == 2 and capsys.readouterr().err == f"error: {message}\n"
 
 
 def test_cli_files_from(tmp_path, capsys):
@@ -918,7 +911,7 @@ def test_cli_a_failing_disk_is_one_error_line_naming_the_output(tmp_path, monkey
     """An OSError that names no file (a full disk) is reported against the output."""
     import errno
 
-    import dataset.ingest as ingest_module
+    import dataset.ingest.pipeline as ingest_module
 
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -956,7 +949,7 @@ def test_heldout_path_keeps_the_suffix_or_gives_jsonl():
 
 def test_a_file_that_vanished_is_unreadable_with_the_reason(tmp_path):
     """A listed file gone before it is read (not a link): the system's reason, not "a symbolic link to nothing"."""
-    from dataset.ingest import regular_file_size
+    from dataset.ingest.walk import regular_file_size
 
     with pytest.raises(Unreadable) as error:
         regular_file_size(tmp_path / "gone.txt")
@@ -1017,13 +1010,13 @@ def test_the_list_of_files_is_read_as_utf8_whatever_the_locale(tmp_path):
     import os
     import subprocess
 
-    from dataset.ingest import _listed
+    from dataset.ingest.cli import _listed
 
     (tmp_path / "list.txt").write_text(f"{tmp_path / 'café.txt'}\n", encoding="utf-8")
     expected = [str(tmp_path / "café.txt")]
     assert _listed(str(tmp_path / "list.txt")) == expected
     env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
-    done = subprocess.run([sys.executable, "-c", "import sys; from dataset.ingest import _listed; "
+    done = subprocess.run([sys.executable, "-c", "import sys; from dataset.ingest.cli import _listed; "
                            "print(ascii(_listed(sys.argv[1])))", str(tmp_path / "list.txt")],
                           cwd=ROOT, env=env, capture_output=True, text=True, encoding="ascii", errors="replace")
     assert done.stdout == ascii(expected) + "\n", done.stderr

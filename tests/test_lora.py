@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
+from export.convert import export_hf, export_peft, main
 from model import CheckpointError, ConfigError, PocketLM, load_model, save_model
 from model import model as model_module
-from model.convert import export_hf, export_peft, main
 from model.lora import (
     LORA_TARGETS,
     LoRALinear,

@@ -10,8 +10,8 @@ from test_train import flags, straight_and_resumed
 
 import eval_model
 import train_lora
+from export.convert import main as convert
 from model import load_model
-from model.convert import main as convert
 from model.generate import generate
 from model.lora import has_lora, load_lora_model
 from trainer_utils.checkpoint import latest_checkpoint

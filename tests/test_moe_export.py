@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR
+from export.convert import export_hf, export_peft, from_hf_config, import_hf, main
 from model import ConfigError, PocketLM, load_model, save_model
 from model.config import architecture
-from model.convert import export_hf, export_peft, from_hf_config, import_hf, main
 from model.lora import LoRALinear, LoraSpec, apply_lora, base_reference, save_lora
 
 from conftest import tiny_config

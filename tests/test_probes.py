@@ -9,8 +9,8 @@ import torch
 import train_full_sft
 import train_pretrain
 from common.errors import DataError
+from evaluation.probes import Probe, continuation_ids, read_probe_file, read_prompt_file, run_probes, score_continuation
 from model import PocketLM
-from model.probes import Probe, continuation_ids, read_probe_file, read_prompt_file, run_probes, score_continuation
 
 from conftest import ROOT, cli_flags, tiny_config
 

@@ -7,6 +7,7 @@ many more, freshly drawn, to look for new failures (which then become @example c
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from common.errors import ConfigError, TrainingError
 from common.tool_calls import parse_reply
 from common.tools import BUNDLED, ToolCall, ToolError, calculator, run_tool
-from dataset.ingest import split_document
+from dataset.ingest.split import split_document
 from dataset.tokenizer import chat_turns
 from trainer_utils.budget import HIGH, LOW, TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
 from trainer_utils.optim import WarmupCosine
@@ -202,8 +203,9 @@ def test_a_plan_is_the_longest_run_that_ends_by_its_target(p):
     try:
         plan = make(p)
     except TrainingError:
-        one = make_plan(1e12, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), 1, p["eval_interval"], p["save_interval"])
-        one.eval_s, one.save_s = p["eval_s"], p["save_s"] if p["save_interval"] else 0.0
+        one = dataclasses.replace(
+            make_plan(1e12, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), 1, p["eval_interval"], p["save_interval"]),
+            eval_s=p["eval_s"], save_s=p["save_s"] if p["save_interval"] else 0.0)
         assert fixed + spends(one, 0, 1, p["step_s"]) > TARGET * p["budget_s"]
         return
     end = fixed + spends(plan, 0, plan.steps, plan.step_s)

@@ -159,7 +159,7 @@ def test_exports_as_qwen3_with_equal_logits_and_imports_back_exactly(tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from model.convert import export_hf, import_hf
+    from export.convert import export_hf, import_hf
 
     model = _randomize_norms(PocketLM(tiny_config("qwen3", rope_theta=5e4, norm_eps=1e-6))).eval()
     with torch.no_grad():  # 4x the init scale: logits of order 1, attention far from uniform
@@ -192,7 +192,7 @@ def test_exports_as_qwen3_with_equal_logits_and_imports_back_exactly(tmp_path):
 
 def test_transformers_qwen3_imports(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from model.convert import import_hf
+    from export.convert import import_hf
 
     cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=2, head_dim=8,
@@ -223,14 +223,14 @@ QWEN3_HF = dict(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate
     ({**QWEN3_HF, "rope_scaling": {"rope_type": "llama3", "factor": 4.0}}, "rope scaling"),  # yarn is computed
 ])
 def test_transformers_qwen3_configs_we_cannot_compute_are_refused(hf, message):
-    from model.convert import from_hf_config
+    from export.convert import from_hf_config
 
     with pytest.raises(ConfigError, match=message):
         from_hf_config(hf, "config.json")
 
 
 def test_transformers_qwen3_config_defaults():
-    from model.convert import from_hf_config
+    from export.convert import from_hf_config
 
     cfg = from_hf_config(QWEN3_HF, "config.json")
     assert cfg.qk_norm and cfg.style == "qwen3" and cfg.tie_word_embeddings is False and cfg.norm_eps == 1e-6
@@ -238,8 +238,8 @@ def test_transformers_qwen3_config_defaults():
 
 
 def test_exports_refuse_qk_norm_where_no_architecture_has_it(tmp_path):
-    from model.convert import export_hf
-    from model.gguf import llama_tensors
+    from export.convert import export_hf
+    from export.gguf import llama_tensors
 
     save_model(PocketLM(tiny_config("qwen3", **MOE)), tmp_path / "moe")
     with pytest.raises(ConfigError, match="no transformers class matches .*qk_norm=True"):

@@ -14,7 +14,7 @@ from common.config import option, settings
 from common.tokens import IGNORE_INDEX
 from dataset.config import DataConfig
 from model.loading import resolve_model_dir
-from trainer_utils.loop import main
+from trainer_utils.driver import main
 from trainer_utils.objectives import LanguageModeling
 from trainer_utils.stages import STAGES, Stage, StepBatches
 
@@ -172,7 +172,7 @@ def test_every_script_is_one_registered_stage():
 STAGE_NAMES = re.compile(r"""["'](%s)["']""" % "|".join(STAGES))
 
 
-LOOP_FILES = ["trainer_utils/loop.py", "trainer_utils/session.py", "trainer_utils/config.py",
+LOOP_FILES = ["trainer_utils/loop.py", "trainer_utils/driver.py", "trainer_utils/session.py", "trainer_utils/config.py",
               "trainer_utils/context.py",
               *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "trainer_utils/components").glob("*.py"))]
 

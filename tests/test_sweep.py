@@ -1,4 +1,4 @@
-"""The decoding sweep (model/sweep.py, eval_model.py --sweep): metrics on hand-made ids, spec parsing, the
+"""The decoding sweep (evaluation/sweep.py, eval_model.py --sweep): metrics on hand-made ids, spec parsing, the
 best-setting rule, and whole sweeps of a tiny checkpoint (JSON, table, plot, determinism, errors)."""
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ from test_eval import make_run
 
 import eval_model
 from common.errors import ConfigError
-from model import PocketLM
-from model.generate import SamplingConfig
-from model.probes import read_prompt_file
-from model.sweep import (
+from evaluation.probes import read_prompt_file
+from evaluation.sweep import (
     SettingResult,
     SweepReport,
     best_setting,
@@ -24,6 +22,8 @@ from model.sweep import (
     parse_sweep,
     repeated_ngram_rate,
 )
+from model import PocketLM
+from model.generate import SamplingConfig
 
 from conftest import ROOT, tiny_config
 

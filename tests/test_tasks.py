@@ -12,8 +12,8 @@ import torch
 from common.answers import judge
 from common.errors import DataError
 from dataset.tasks import read_task_file
+from evaluation.scoring import TaskTotals, encode_pair, rank_choices, score_items, score_pairs
 from model import PocketLM
-from model.scoring import TaskTotals, encode_pair, rank_choices, score_items, score_pairs
 
 from conftest import tiny_config, write_jsonl
 
@@ -212,7 +212,7 @@ def test_bits_per_byte_of_a_continuation_task(model, tokenizer, tmp_path):
 
 
 def test_ranking_picks_the_most_likely_and_the_most_likely_per_character():
-    from model.scoring import ContinuationScore as S
+    from evaluation.scoring import ContinuationScore as S
     scores = [S(-6.0, 2, False), S(-5.0, 2, False), S(-9.0, 4, False)]
     result = rank_choices(scores, [" ab", " c", " longer choice"], gold=2)
     assert (result.pick, result.pick_norm) == (1, 2)  # -9/13 per char beats -5/1 and -6/2
@@ -227,7 +227,7 @@ def test_grouped_scores_equal_one_forward_per_continuation(model, tokenizer):
     """An item's choices after one shared context, scored in one row (the context once, each continuation
     seeing it and itself): what one forward per (context, continuation) pair gives. Single continuations and
     contexts that must be cut go pair by pair."""
-    from model.scoring import score_groups
+    from evaluation.scoring import score_groups
     enc = tokenizer.encode
     groups = [(enc("Question: What is 2+2?\nAnswer:"), [enc(" four"), enc(" five apples"), enc(" 4")]),
               (enc("The sky is"), [enc(" blue and wide today"), enc(" green")]),
@@ -304,7 +304,7 @@ def test_chat_generation_items(tmp_path):
 
 
 def test_generated_answers_equal_greedy_decoding_one_item_at_a_time(model, tokenizer):
-    from model.scoring import generate_outputs
+    from evaluation.scoring import generate_outputs
     items = gen_items()
     expected = [independent_output(model, tokenizer, item) for item in items]
     assert len({len(e) for e in expected}) > 1  # outputs of several lengths: stops and budgets took effect
@@ -315,7 +315,7 @@ def test_generated_answers_equal_greedy_decoding_one_item_at_a_time(model, token
 def test_scoring_and_generation_run_under_bf16_autocast(model, tokenizer):
     """As in training's in-loop evaluation: bf16 scores close to fp32's, and generation runs with its KV cache
     in the dtype the keys come in."""
-    from model.scoring import generate_outputs, score_groups
+    from evaluation.scoring import generate_outputs, score_groups
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     assert len(generate_outputs(model, gen_items()[:3], tokenizer, autocast=bf16)) == 3
     groups = [(tokenizer.encode("The sky is"), [tokenizer.encode(" blue"), tokenizer.encode(" green today")])]
@@ -329,7 +329,7 @@ def test_a_generation_task_scores_exact_matches(model, tokenizer):
     """acc counts outputs whose answer is right, `stated` those that stated a number in the taught format."""
     import dataclasses
 
-    from model.scoring import generate_outputs
+    from evaluation.scoring import generate_outputs
     items = gen_items()[:2]
     outputs = generate_outputs(model, items, tokenizer)
     right = [dataclasses.replace(items[0], answers=(outputs[0].strip() or "none",)),
@@ -402,7 +402,7 @@ def test_eval_model_scores_a_generation_task_file(tmp_path, capsys):
 
 
 def test_accuracy_by_kind():
-    from model.scoring import TaskScore, by_kind, kind_table
+    from evaluation.scoring import TaskScore, by_kind, kind_table
     samples = [{"kind": k, "correct": c} for k, c in [("max", True), ("sum", False), ("max", False), ("max", True),
                                                        ("sum", False)]]
     score = TaskScore("t", 5, acc=0.4, samples=tuple(samples))
@@ -580,7 +580,7 @@ def test_generated_answers_agree_with_lm_evaluation_harness_item_by_item(tmp_pat
     from common.answers import FLEXIBLE_NUMBER, STRICT_NUMBER, find_number
     from dataset.tasks import packaged_task
     from dataset.tokenizer import Tokenizer
-    from model.scoring import generate_outputs
+    from evaluation.scoring import generate_outputs
 
     torch.manual_seed(0)
     model = PocketLM(tiny_config(vocab_size=6400, initializer_range=0.3)).eval()  # what run_lm_eval builds

@@ -17,6 +17,7 @@ import train_pretrain
 from common.errors import ConfigError, TrainingError
 from model.inference import read_train_info
 from trainer_utils import budget as budget_mod
+from trainer_utils import driver as driver_mod
 from trainer_utils import loop as loop_mod
 from trainer_utils import metrics as metrics_mod
 from trainer_utils.backend import Backend, Comm
@@ -125,9 +126,9 @@ def virtual_clock(monkeypatch, step_cost, *, eval_s: float = 0.0, save_s: float 
     """Each optimizer step costs step_cost(step) virtual seconds; an evaluation round eval_s, a checkpoint save_s,
     building a model build_s; the process was age_s old when main() began (the interpreter and imports)."""
     clock = VirtualTime()
-    for module in (loop_mod, metrics_mod, budget_mod):
+    for module in (loop_mod, driver_mod, metrics_mod, budget_mod):
         monkeypatch.setattr(module, "time", clock)
-    monkeypatch.setattr(loop_mod, "process_age", lambda: age_s)
+    monkeypatch.setattr(driver_mod, "process_age", lambda: age_s)
 
     def costs(seconds, real):
         def charged(*args, **kwargs):
@@ -135,8 +136,8 @@ def virtual_clock(monkeypatch, step_cost, *, eval_s: float = 0.0, save_s: float 
             return real(*args, **kwargs)
         return charged
 
-    real_step = loop_mod.Trainer._optimizer_step
-    monkeypatch.setattr(loop_mod.Trainer, "_optimizer_step",  # the step's time passes while it runs
+    real_step = loop_mod.Trainer.optimizer_step
+    monkeypatch.setattr(loop_mod.Trainer, "optimizer_step",  # the step's time passes while it runs
                         lambda self, feeder: costs(step_cost(self.state.step + 1), real_step)(self, feeder))
     monkeypatch.setattr(Evaluation, "evaluate", costs(eval_s, Evaluation.evaluate))
     monkeypatch.setattr(loop_mod, "save_checkpoint", costs(save_s, loop_mod.save_checkpoint))
@@ -203,7 +204,7 @@ def test_resume_continues_the_recorded_plan_bit_exactly(corpus, tmp_path, monkey
     assert state["time_budget"]["steps"] == 35 and state["time_budget"]["used_s"] > 20
     monkeypatch.undo()
     virtual_clock(monkeypatch, lambda step: 1.0)
-    monkeypatch.setattr(loop_mod.Trainer, "probe", lambda *a: pytest.fail("a resumed plan is not measured again"))
+    monkeypatch.setattr(driver_mod, "measure_costs", lambda *a: pytest.fail("a resumed plan is not measured again"))
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed", resume=True)) == 0
     wa, wb = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -225,7 +226,7 @@ def test_resume_after_a_replan_continues_it_bit_exactly(corpus, tmp_path, monkey
     assert read_train_info(latest_checkpoint(tmp_path / "resumed"))["time_budget"]["replans"]
     monkeypatch.undo()
     virtual_clock(monkeypatch, slower, eval_s=0.5, save_s=0.25)
-    monkeypatch.setattr(loop_mod.Trainer, "probe", lambda *a: pytest.fail("a resumed plan is not measured again"))
+    monkeypatch.setattr(driver_mod, "measure_costs", lambda *a: pytest.fail("a resumed plan is not measured again"))
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "resumed", resume=True)) == 0
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
     assert [(m["step"], m["loss"], m["lr"]) for m in a] == [(m["step"], m["loss"], m["lr"]) for m in b]
@@ -315,8 +316,9 @@ def test_the_probe_times_a_few_steps_within_a_share_of_the_budget():
 
 
 def test_the_plan_round_trips_through_a_checkpoint_dict():
-    plan = make_plan(600.0, 30.0, COSTS, limit=10_000, eval_interval=100, save_interval=50)
-    plan.replans.append({"step": 10, "steps": 400, "step_s": 1.2, "spent_s": 50.0})
+    planned = make_plan(600.0, 30.0, COSTS, limit=10_000, eval_interval=100, save_interval=50)
+    plan = planned.replanned(10, 400, 1.2, 50.0)
+    assert plan.replans == ({"step": 10, "steps": 400, "step_s": 1.2, "spent_s": 50.0},) and planned.replans == ()
     again = BudgetPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan and again.end == 400
 
@@ -339,10 +341,15 @@ class GuardRun:
         self.ctx = SimpleNamespace(
             plan=plan, budget_clock=SimpleNamespace(spent=lambda: self.spent), state=SimpleNamespace(step=0),
             clock=SimpleNamespace(elapsed=lambda: self.elapsed), backend=SimpleNamespace(slowest=list),
-            control=SimpleNamespace(replan=self.ends.append),
+            control=SimpleNamespace(replan=self.replan),
             logger=SimpleNamespace(log=self.records.append, message=self.messages.append))
         self.guard = TimeBudgetGuard(self.ctx)
         self.guard.start(self.ctx)
+
+    def replan(self, plan: BudgetPlan) -> None:
+        """As the loop does with a re-planned plan: it trains to its end from now on."""
+        self.ends.append(plan.end)
+        self.ctx.plan = plan
 
     def step(self, elapsed: float, step: int, spent: float = 0.0) -> None:
         """As the loop does after an optimizer step, before the components that are due run."""
@@ -443,7 +450,7 @@ def test_a_longer_plan_is_the_recent_step_times_when_both_agree():
     run.look(6.0, 9, 40.0)
     run.look(16.0, 21, 50.12345)  # (recorded to the millisecond)
     assert run.ends == [77]
-    assert run.ctx.plan.replans == [{"step": 21, "steps": 77, "step_s": 0.833333, "spent_s": 50.123}]
+    assert run.ctx.plan.replans == ({"step": 21, "steps": 77, "step_s": 0.833333, "spent_s": 50.123},)
     assert run.records == [{"step": 21, "event": "time_budget", "planned_steps": 61, "steps": 77,
                             "step_time_s": 0.833333, "spent_s": 50.123}]
     assert run.messages == ["time budget: steps take 0.833 s (planned 1 s) with 50.1s of 1m 40s spent: ending at "

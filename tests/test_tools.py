@@ -1,5 +1,5 @@
 """Tool use: reading replies (common/tool_calls.py), the bundled tools (common/tools.py), the tool loop and its
-accuracy (model/tool_use.py), tool task files, and the bundled tool-call set (scripts/build_tool_demo.py)."""
+accuracy (evaluation/tool_use.py), tool task files, and the bundled tool-call set (scripts/build_tool_demo.py)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-import model.tool_use as tool_use
+import evaluation.tool_use as tool_use
 from common.errors import DataError
 from common.tool_calls import ToolCall, parse_reply, same_call
 from common.tools import BUNDLED, ELEMENTS, Tool, run_tool, tool_schemas
 from dataset.tasks import read_task_file
-from model.scoring import TaskTotals, score_items, task_table
-from model.tool_use import run_tools
+from evaluation.scoring import TaskTotals, score_items, task_table
+from evaluation.tool_use import run_tools
 
 from conftest import ROOT, tiny_config, write_jsonl
 

@@ -1,11 +1,11 @@
 """Training to a time budget (--time_budget 10m): how many optimizer steps fit, decided once from measured costs.
 
-Before the first step, the run is probed (loop.py Trainer.probe: a throwaway Trainer is built, does what the
-run does before its first step, takes a warm-up step, a few timed steps, one evaluation round and one checkpoint,
-exactly as the run will); the budget's clock starts when the process does, so setting up (the interpreter,
-tokenizing, the probe) is paid from it. What the run pays after the plan is made is planned too: building its own
-Trainer again (a GRPO run's reference model included) and what it does before its first step (the baseline
-evaluation of an --init_from model). The plan is then the most steps whose time, with every evaluation and
+Before the first step, the run is probed (driver.py measure_costs: a throwaway Trainer, built in a scratch run
+directory, does what the run does before its first step, takes a warm-up step, a few timed steps, one evaluation
+round and one checkpoint, exactly as the run will); the budget's clock starts when the process does, so setting up
+(the interpreter, tokenizing, the probe) is paid from it. What the run pays after the plan is made is planned too:
+building its own Trainer again (a GRPO run's reference model included) and what it does before its first step (the
+baseline evaluation of an --init_from model). The plan is then the most steps whose time, with every evaluation and
 checkpoint they bring, ends the run at TARGET of the budget:
 
     start_s + first_extra_s + steps * step_s + evaluations(steps) * eval_s + checkpoints(steps) * save_s
@@ -30,7 +30,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +90,10 @@ class Costs:
     start_s: float = 0.0  # building the run's Trainer and what it does before its first step
 
 
-@dataclass
+@dataclass(frozen=True)
 class BudgetPlan:
-    """The decision of a --time_budget run: saved in its checkpoints and continued on --resume."""
+    """The decision of a --time_budget run: saved in its checkpoints and continued on --resume. A re-plan is a
+    new plan (replanned()), whose record of re-plans is this one's and the new one."""
 
     budget_s: float
     steps: int  # the steps planned before the first one (the schedule's length, re-plans aside)
@@ -107,13 +108,18 @@ class BudgetPlan:
     check_every: int  # steps between the guard's looks at the clock
     timed_steps: int = 0
     start_s: float = 0.0  # then building the run's Trainer and what it does before its first step
-    replans: list[dict[str, Any]] = field(default_factory=list)  # {"step", "steps", "step_s", "spent_s"}
+    replans: tuple[dict[str, Any], ...] = ()  # {"step", "steps", "step_s", "spent_s"}
     used_s: float = 0.0  # seconds of the budget spent when the last checkpoint was written
 
     @property
     def end(self) -> int:
         """The step the run ends at now: the plan's, or its last re-plan's."""
         return self.replans[-1]["steps"] if self.replans else self.steps
+
+    def replanned(self, step: int, end: int, step_s: float, spent_s: float) -> BudgetPlan:
+        """This plan, re-planned at `step` to end at `end` (steps taking `step_s`, `spent_s` of the budget gone)."""
+        record = {"step": step, "steps": end, "step_s": round(step_s, 6), "spent_s": round(spent_s, 3)}
+        return dataclasses.replace(self, replans=(*self.replans, record))
 
     def time_for(self, after: int, end: int, step_s: float) -> float:
         """Seconds from step `after` to the end of step `end`, with the evaluations and checkpoints due in them.
@@ -151,11 +157,12 @@ class BudgetPlan:
                 f"{format_duration(planned)}{why}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "replans": list(self.replans)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BudgetPlan:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+        given = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
+        return cls(**{**given, "replans": tuple(given.get("replans", ()))})
 
 
 def make_plan(budget_s: float, spent_s: float, costs: Costs, limit: int, eval_interval: int,
@@ -168,7 +175,7 @@ def make_plan(budget_s: float, spent_s: float, costs: Costs, limit: int, eval_in
                       start_s=costs.start_s,
                       check_every=max(1, int(CHECK_SHARE * budget_s / max(costs.step_s, 1e-9))))
     left = TARGET * budget_s - spent_s - costs.start_s - costs.first_extra_s
-    plan.steps = plan.fit(left, 0, costs.step_s)
+    plan = dataclasses.replace(plan, steps=plan.fit(left, 0, costs.step_s))  # fit() reads the rest, not steps
     if plan.steps < 1:
         one = plan.time_for(0, 1, costs.step_s) + costs.first_extra_s
         raise TrainingError(f"--time_budget {format_duration(budget_s)} leaves no time to train: setting up takes "

@@ -83,6 +83,11 @@ class OptimConfig:
                                 at_least=1)
     seed: int = option(42, "seed of the initialisation and the data order")
 
+    @property
+    def budget_s(self) -> float | None:
+        """--time_budget in seconds, None without one (ConfigError for a duration that is not one)."""
+        return None if self.time_budget is None else parse_duration(self.time_budget)
+
 
 @dataclass
 class PrecisionConfig(DeviceConfig):
@@ -206,8 +211,7 @@ class TrainConfig:
             self.objective.check()
         if self.optim.optimizer == "auto":  # pretraining's default: Muon where it can run
             self.optim.optimizer = "adamw" if self.precision.deepspeed is not None else "muon"
-        if self.optim.time_budget is not None:
-            parse_duration(self.optim.time_budget)  # a bad duration is refused before anything slow
+        _ = self.optim.budget_s  # a bad duration is refused before anything slow
         if self.run.resume and self.run.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other")
         if self.eval.early_stopping and not self.run.checkpoints:

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from dataset.kinds import DataKind
     from dataset.tasks import Task
     from dataset.tokenizer import Tokenizer
+    from evaluation.probes import Probe
     from model import PocketLM
-    from model.probes import Probe
 
     from .backend import Backend
     from .budget import BudgetClock, BudgetPlan
@@ -107,8 +107,8 @@ class LoopControl(Protocol):
     def save(self) -> None:
         """Checkpoint this step (collective; a no-op when it is saved already or checkpoints are off)."""
 
-    def replan(self, end: int) -> None:
-        """End training at step `end`, the rest of the schedule laid over the steps up to it."""
+    def replan(self, plan: BudgetPlan) -> None:
+        """Train to a re-planned plan's end, the rest of the schedule laid over the steps up to it."""
 
     def sync_counters(self) -> None:
         """Copy the device-side counters into `state`, `grad_norm` and `bad_in_a_row` (one host sync)."""
@@ -130,7 +130,7 @@ class SetupContext:
 @dataclass(eq=False)
 class RunContext:
     """One Trainer's run as its stage and components see it. The first fields are fixed for the Trainer's life;
-    `state`, `logger`, `clock` and `checkpoint_dir` are replaced by the loop as it goes (read them each time);
+    `state`, `logger`, `clock` and `plan` are replaced by the loop as it goes (read them each time);
     `val_loss` and `train_loss` are written by the components that measure them."""
 
     config: TrainConfig
@@ -165,14 +165,13 @@ class RunContext:
     metric_unit: Callable[[str], str | None]
     memory_rows: int
     estimates_memory: bool
-    # a --time_budget run's plan and the clock it is held to (None: steps as given)
+    # a --time_budget run's plan (a re-plan replaces it) and the clock it is held to (None: steps as given)
     plan: BudgetPlan | None
     budget_clock: BudgetClock | None
     # live: replaced or updated by the loop
     state: TrainState
     clock: TrainClock
-    checkpoint_dir: Path  # where checkpoints go (a scratch directory while a time budget's probe runs)
-    logger: MetricsLogger | None = None  # from fit() (or the probe) on
+    logger: MetricsLogger | None = None  # from fit() (or while the driver measures a run's costs) on
     stage_state: Any = None  # what the stage's prepare() returned
     grad_norm: float = 0.0  # of the last synced step (sync_counters)
     bad_in_a_row: int = 0  # consecutive non-finite steps, as last synced

@@ -1,4 +1,4 @@
-"""The one training loop: a Trainer that takes optimizer steps, and the entry point every training script calls.
+"""The one training loop: a Trainer that takes optimizer steps (trainer_utils/driver.py runs it).
 
 Trainer.fit(): for each optimizer step, take this rank's micro-batches from the global cursor, normalise the
 loss by the valid target tokens of the whole step (all micro-batches, all ranks), backward with no_sync on all
@@ -6,48 +6,36 @@ but the last micro-batch, clip and step (skipping non-finite steps); then the co
 components: the log, the precision fallback's check, evaluation, layer statistics, samples and probes, early
 stopping, the memory check) each do their work when due, and a checkpoint is written every --save_interval.
 What differs between stages lives in trainer_utils/stages; what happens before the first step in session.py.
-When steps keep failing in a reduced precision, run() builds a new Trainer that resumes the last checkpoint in a
-wider one (--on_nonfinite fallback).
+When steps keep failing in a reduced precision, fit() ends with `fallback` set, and the driver builds a new Trainer
+that resumes the last checkpoint in a wider one (--on_nonfinite fallback).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import re
-import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from common.config import RESOLVED_KEY, to_dict
-from common.device import dtype_name, precision_policy, synchronize
-from common.errors import ConfigError, PocketLMError, TokenizerError, TrainingError
+from common.device import dtype_name, precision_policy
+from common.errors import ConfigError, TokenizerError, TrainingError
 from common.files import TRAIN_CONFIG_NAME, write_atomic
-from model.inference import read_train_info
 from model.loading import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, load_state_into, read_state_dict
 from model.lora import load_lora_state_dict, save_lora
 
 from .budget import (
     PLAN_KEY,
-    PROBE_DIR_NAME,
     BudgetClock,
     BudgetPlan,
-    Costs,
-    format_duration,
-    make_plan,
-    parse_duration,
-    probe_count,
-    process_age,
 )
 from .checkpoint import load_training_state, new_staging_dir, save_checkpoint, staging_dir
 from .components import COMPONENTS
-from .config import TrainConfig
 from .context import RunContext, StepBatches, StepOutcome, Stop, TrainState, every
 from .data import StepFeeder
 from .metrics import MetricsLogger, TrainClock
@@ -56,7 +44,6 @@ from .optim import WarmupCosine, build_optimizer, newton_schulz_steps
 from .routing import RouterBalance
 from .runtime import StopSignal, rng_state, seed_everything, set_rng_state
 from .session import Session
-from .stages import Stage, parse_train_config
 
 OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and more --accumulation_steps "
             "(same effective batch), --grad_checkpointing, or a shorter --max_seq_len. The last checkpoint "
@@ -89,8 +76,9 @@ class Trainer:
     state = OnContext()
     logger = OnContext()
     clock = OnContext()
-    run_dir = OnContext("checkpoint_dir")  # where checkpoints go (a scratch directory while the budget probe runs)
     stage_state = OnContext()  # what the stage's prepare() returned
+    plan = OnContext()  # a --time_budget run's (trainer_utils/budget.py; a re-plan replaces it); None: steps as given
+    budget_clock = OnContext()  # the clock a plan is held to
     val_loss = OnContext()  # of the last evaluation (the evaluation component writes it)
     train_loss = OnContext()  # of the last logged window (the log component writes it)
     grad_norm = OnContext()
@@ -100,8 +88,6 @@ class Trainer:
                  ) -> None:
         s, c = session, session.config
         self.session, self.config, self.backend = s, c, s.backend
-        # a --time_budget run's decision and the clock it is held to (trainer_utils/budget.py); None: steps as given
-        self.plan, self.budget_clock = plan, budget_clock
         self.device, self.precision = s.backend.device, s.backend.precision
         o = c.optim
         seed_everything(o.seed)
@@ -133,7 +119,7 @@ class Trainer:
             init_dir=s.init_dir, run_dir=s.run_dir, adapters=s.lora is not None, eval_tasks=s.eval_tasks,
             samples=s.samples, probes=s.probes, metric_unit=s.stage.metric_unit, memory_rows=s.stage.memory_rows,
             estimates_memory=s.stage.estimates_memory, plan=plan, budget_clock=budget_clock, state=TrainState(),
-            clock=TrainClock(self.device), checkpoint_dir=s.run_dir)
+            clock=TrainClock(self.device))
         self.stage_state = s.stage.prepare(self.ctx)  # what the stage's hooks keep for this run
         # the parameter through which an empty step's gradients are made NaN (see train_step)
         self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
@@ -182,11 +168,12 @@ class Trainer:
         """The learning rate of the step just taken."""
         return self.scheduler.lr
 
-    def replan(self, end: int) -> None:
-        """End training at step `end` instead, the rest of the schedule laid over the steps up to it."""
-        self.scheduler.replan(self.state.step, end)
+    def replan(self, plan: BudgetPlan) -> None:
+        """Train to a re-planned plan's end instead, the rest of the schedule laid over the steps up to it."""
+        self.plan = plan
+        self.scheduler.replan(self.state.step, plan.end)
         if self.logger is not None:
-            self.logger.set_total(end)
+            self.logger.set_total(plan.end)
 
     # ------------------------------------------------------------------------- state
     def _restore(self, ckpt: Path) -> None:
@@ -238,9 +225,9 @@ class Trainer:
         self.sync_counters()
         self.state.train_time_s = self.clock.elapsed()
         if backend.is_main:
-            new_staging_dir(self.run_dir, step)
+            new_staging_dir(self.session.run_dir, step)
         backend.barrier()
-        backend_state = backend.save_state(staging_dir(self.run_dir, step))
+        backend_state = backend.save_state(staging_dir(self.session.run_dir, step))
         weights = backend.master_weights(self.model) if s.lora is None else None
         backend.barrier()
         if backend.is_main:
@@ -255,10 +242,9 @@ class Trainer:
             if s.fallbacks:
                 info["precision_fallback"] = s.fallbacks
             if self.plan is not None:  # a budget run's plan, and the budget spent so far: what --resume continues
-                self.plan.used_s = round(self.budget_clock.spent(), 3)
-                info[PLAN_KEY] = self.plan.to_dict()
+                info[PLAN_KEY] = dataclasses.replace(self.plan, used_s=round(self.budget_clock.spent(), 3)).to_dict()
             write = None if s.lora is None else lambda d: save_lora(self.model, d, s.lora, s.base_ref, s.tokenizer.path)
-            save_checkpoint(self.run_dir, step, self.model, state, info, s.tokenizer.path, self.config.run.keep_last,
+            save_checkpoint(s.run_dir, step, self.model, state, info, s.tokenizer.path, self.config.run.keep_last,
                             write, weights)
         backend.barrier()
         self.last_saved = step
@@ -282,12 +268,11 @@ class Trainer:
         exit_code = 0
         self.model.train()
         self.clock = TrainClock(self.device, self.state.train_time_s)
-        for component in self.components:
-            component.start(self.ctx)
+        self.start_components()
         try:
             with StopSignal() as signal:
                 while self.state.step < self.total_steps and not self._stop_requested(signal):
-                    step = lambda: self._optimizer_step(feeder)  # noqa: E731
+                    step = lambda: self.optimizer_step(feeder)  # noqa: E731
                     for component in self.components:
                         step = component.wrap_step(self.ctx, step)
                     step()
@@ -343,7 +328,19 @@ class Trainer:
             return True
         return False
 
-    def _optimizer_step(self, feeder: StepFeeder) -> None:
+    def start_components(self) -> None:
+        """What the components do before the first step (an --init_from model's baseline evaluation)."""
+        for component in self.components:
+            component.start(self.ctx)
+
+    def evaluation_round(self) -> None:
+        """The components that pause the training clock, as the last step runs them: every one of them due."""
+        step = self.state.step
+        for component in self.components:
+            if component.pauses_clock and component.due(step, step):
+                component.run(self.ctx)
+
+    def optimizer_step(self, feeder: StepFeeder) -> None:
         """One optimizer step on the next micro-batches, with the device-side counters updated."""
         t_wait = time.perf_counter()
         micro, n_input = feeder.next_step()
@@ -377,46 +374,6 @@ class Trainer:
         outcome = StepOutcome(loss_sum, {**self.step_metrics, **prepared.metrics}, applied, n_local, n_input, wait)
         for component in self.components:
             component.after_step(self.ctx, outcome)
-
-    def probe(self, budget_s: float, built_s: float) -> Costs:
-        """What this run costs, measured as fit() pays it, for a time budget's plan (trainer_utils/budget.py):
-        building a Trainer (built_s: this one took that), what fit() does before its first step (the components'
-        start: an --init_from model's baseline evaluation), a warm-up step, a few timed steps, one checkpoint (into a
-        scratch directory, deleted after) and one evaluation round. The model trains on the way: discard this
-        Trainer. Every rank takes the same number of steps and gets the same costs: the slowest rank's."""
-        s, backend = self.session, self.backend
-        self.logger = MetricsLogger(s.run_dir, False, 0, 0, {})  # the probe logs nothing
-        feeder = StepFeeder(s.train_data, self.config.optim.batch_size, self.config.optim.accumulation_steps,
-                            backend.rank, backend.world_size, 0, self.device)
-
-        def timed(work: Callable[[], Any]) -> float:
-            synchronize(self.device)
-            t0 = time.perf_counter()
-            work()
-            synchronize(self.device)
-            return time.perf_counter() - t0
-
-        self.model.train()
-        try:
-            start_s = built_s + timed(lambda: [c.start(self.ctx) for c in self.components])
-            first_s = backend.slowest([timed(lambda: self._optimizer_step(feeder))])[0]
-            steps = [timed(lambda: self._optimizer_step(feeder)) for _ in range(probe_count(first_s, budget_s))]
-        finally:
-            feeder.close()
-        save_s = 0.0
-        self.run_dir = s.run_dir / PROBE_DIR_NAME
-        try:
-            if self.config.run.checkpoints:
-                save_s = timed(self.save)
-            step = self.state.step  # an evaluation round as the last step has it: every component then due
-            eval_s = timed(lambda: [c.run(self.ctx) for c in self.components if c.pauses_clock and c.due(step, step)])
-        finally:
-            backend.barrier()
-            if backend.is_main:
-                shutil.rmtree(self.run_dir, ignore_errors=True)
-        step_s, eval_s, save_s, start_s = backend.slowest([statistics.median(steps), eval_s, save_s, start_s])
-        return Costs(step_s=step_s, first_extra_s=max(0.0, first_s - step_s), eval_s=eval_s, save_s=save_s,
-                     timed_steps=len(steps), start_s=start_s)
 
     def train_step(self, micro: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
         """Forward/backward every micro-batch, then one optimizer step; returns the summed loss (the objective's
@@ -452,88 +409,3 @@ def is_peer_failure(e: RuntimeError) -> bool:
     if isinstance(e, getattr(torch.distributed, "DistError", ())):
         return True
     return re.search(r"(?i)connection (closed|reset|refused)|timed? ?out|by peer|nccl|gloo", str(e)) is not None
-
-
-def plan_budget(session: Session, clock: BudgetClock) -> BudgetPlan | None:
-    """A --time_budget run's plan: the one its checkpoint recorded when it resumes (nothing measured again), else
-    made from a probe of this run's costs. None without a budget."""
-    o, is_main = session.config.optim, session.env.rank == 0
-    budget_s = parse_duration(o.time_budget) if o.time_budget is not None else None
-    # train_info.json, not training_state.pt: the latter holds the optimizer's state, which the Trainer loads
-    saved = read_train_info(session.resume_from).get(PLAN_KEY) if session.resume_from is not None else None
-    if saved:
-        plan = BudgetPlan.from_dict(saved)
-        if budget_s is not None and budget_s != plan.budget_s:
-            raise ConfigError(f"--time_budget {o.time_budget}: {session.run_dir} was planned for "
-                              f"{format_duration(plan.budget_s)} ({plan.steps} steps); resume it with that budget "
-                              "or none (the plan is kept), or start a new run")
-        if clock.spent_before is None:  # this process's first plan: the budget spent before it goes on counting
-            clock.spent_before = plan.used_s
-        if is_main:
-            print(f"time budget {format_duration(plan.budget_s)}: resuming the plan of {plan.end} steps, "
-                  f"{format_duration(clock.spent())} of it spent", file=sys.stderr)
-        return plan
-    if budget_s is None:
-        return None
-    if session.resume_from is not None:
-        raise ConfigError(f"--time_budget: {session.run_dir} was started without one; its steps are fixed (resume "
-                          "it without --time_budget, or start a new run)")
-    clock.spent_before = 0.0
-    t0 = time.perf_counter()
-    probe = Trainer(session)
-    try:  # the run builds its Trainer again after the plan: as long as this one took
-        costs, limit = probe.probe(budget_s, time.perf_counter() - t0), probe.step_limit
-    finally:
-        del probe  # its model and optimizer must not coexist with the run's
-        free_memory(session.device)
-    c = session.config
-    plan = make_plan(budget_s, clock.spent(), costs, limit, c.eval.eval_interval,
-                     c.run.save_interval if c.run.checkpoints else None)
-    if is_main:
-        print(plan.summary(), file=sys.stderr)
-    return plan
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def main(stage: Stage | str, argv: list[str] | None, description: str | None) -> int:
-    """A training script's whole entry point: parse its flags and --config, then train."""
-    started = time.perf_counter() - process_age()  # a --time_budget counts from the process's start
-    try:
-        config = parse_train_config(stage, argv, description)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return run(config, stage, started)
-
-
-def run(config: TrainConfig, stage: Stage | str, started: float | None = None) -> int:
-    """Build the session and train. Errors that are the user's to fix become one `error: ...` line: exit 2
-    for bad flags, data or checkpoints (nothing trained), 1 when training itself had to stop. `started`: the
-    perf_counter() a --time_budget counts from (default: now)."""
-    session = None
-    clock = BudgetClock(time.perf_counter() if started is None else started)
-    try:
-        session = Session(config, stage)
-        while True:
-            plan = plan_budget(session, clock)  # after a precision fallback: the checkpoint's, resumed
-            trainer = Trainer(session, plan, clock)
-            exit_code, fallback = trainer.fit(), trainer.fallback
-            del trainer  # the next Trainer's model and optimizer must not coexist with this one's
-            if plan is not None and session.env.rank == 0:
-                print(f"time budget {format_duration(plan.budget_s)}: {format_duration(clock.spent())} spent "
-                      f"({clock.spent() / plan.budget_s:.0%})", file=sys.stderr)
-            if fallback is None:
-                return exit_code
-            free_memory(session.device)
-            session.fall_back(fallback)
-    except PocketLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, TrainingError) else 2
-    finally:
-        if session is not None:
-            session.backend.close()

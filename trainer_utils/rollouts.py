@@ -30,9 +30,9 @@ import torch
 from common.tokens import IGNORE_INDEX
 from common.tool_calls import parse_reply
 from common.tools import Tool, run_tool
+from evaluation.tool_use import assistant_message
 from model.generate import generate
-from model.scoring import shared_context_mask
-from model.tool_use import assistant_message
+from model.model import shared_context_mask
 
 from .objectives import SHAPE_STEP, Autocast
 from .rewards import ToolUse

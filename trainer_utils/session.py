@@ -21,13 +21,13 @@ from dataset.config import training_data
 from dataset.kinds import TEXT
 from dataset.tasks import load_tasks
 from dataset.tokenizer import DEFAULT_TOKENIZER_DIR, Tokenizer
+from evaluation.probes import read_probe_file, read_prompt_file
 from model import ModelConfig, PocketLM
 from model.checkpoint import load_model
 from model.config import architecture, config_from_flags, model_name, switches
 from model.inference import read_train_info, token_byte_lengths
 from model.loading import WEIGHTS_NAME, is_lora_dir, load_state_into, read_state_dict, resolve_model_dir
 from model.lora import LoraSpec, apply_lora, base_reference, load_lora_model, read_lora_config
-from model.probes import read_probe_file, read_prompt_file
 
 from .backend import Backend
 from .checkpoint import latest_checkpoint

@@ -2,9 +2,9 @@
 the end is projected from the measured step time (run() says which); when it leaves [LOW, HIGH] of the budget
 (the machine slowed down, or runs faster than the probe measured) the rest of the run is re-planned, the schedule
 laid over the new number of steps, and the change logged. A re-plan that leaves no step ends the run at once,
-with its evaluation and checkpoint. Ranks decide from the same numbers, the slowest rank's. The re-plans are
-recorded in the plan itself, which every checkpoint carries (loop.py Trainer.save) and a resumed Trainer starts
-from.
+with its evaluation and checkpoint. Ranks decide from the same numbers, the slowest rank's. A re-plan is a new plan
+that records it (BudgetPlan.replanned), handed to the loop; every checkpoint carries the plan (loop.py
+Trainer.save), and a resumed Trainer starts from it.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ SLOWER = 1.25  # a recent step time this much above the run's is a slow-down, no
 
 class TimeBudgetGuard(Component):
     def __init__(self, ctx: RunContext) -> None:
-        self.plan, self.clock = ctx.plan, ctx.budget_clock
+        self.plan, self.clock = ctx.plan, ctx.budget_clock  # the plan the run starts with
         self.marks: list[tuple[float, int]] = []  # (training seconds, step) after the first step and at each check
 
     def describe(self) -> dict[str, Any]:
@@ -47,7 +47,7 @@ class TimeBudgetGuard(Component):
         faster or slower: only the run's own average is steady), and a recent one over WINDOW_SHARE of the budget.
         When the recent one is SLOWER than the run's and would overrun the budget, the machine has slowed down:
         it plans at once. A longer run needs both to agree there is time (else the two would take turns)."""
-        plan, step, now = self.plan, ctx.state.step, ctx.clock.elapsed()
+        plan, step, now = ctx.plan, ctx.state.step, ctx.clock.elapsed()
         window = WINDOW_SHARE * plan.budget_s
         measured = now - self.marks[0][0]
         steady_s, recent_s = ((now - t) / (step - s) for t, s in (self.marks[0], self.since(now, window)))
@@ -72,8 +72,7 @@ class TimeBudgetGuard(Component):
         before = plan.end
         why = (f"steps take {step_s:.3g} s (planned {plan.step_s:.3g} s) with {format_duration(spent)} of "
                f"{format_duration(plan.budget_s)} spent")
-        plan.replans.append({"step": step, "steps": end, "step_s": round(step_s, 6), "spent_s": round(spent, 3)})
-        ctx.control.replan(end)
+        ctx.control.replan(plan.replanned(step, end, step_s, spent))
         ctx.logger.log({"step": step, "event": "time_budget", "planned_steps": before, "steps": end,
                             "step_time_s": round(step_s, 6), "spent_s": round(spent, 3)})
         what = (f"ending at step {end} instead of {before}, the learning-rate decay completing there" if end > step

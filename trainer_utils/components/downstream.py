@@ -1,5 +1,5 @@
 """Downstream evaluation (--eval_tasks): at every evaluation, the benchmark tasks scored as eval_model.py --tasks
-scores them (model/scoring.py: ranked choices by log-likelihood, bits per byte, answers generated greedily, or
+scores them (evaluation/scoring.py: ranked choices by log-likelihood, bits per byte, answers generated greedily, or
 tool use), on the first --eval_task_items items of each, into metrics.jsonl (task/<name>/acc, acc_norm, centred,
 bpb, stated, a tool task's call_valid, call_tool, call_acc and bare_acc, and tasks_centred, the chance-centred
 average of the ranked-choice tasks), TensorBoard and wandb. Every rank scores its share of the items and the sums
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from model.scoring import TaskTotals, centred_average, task_totals
+from evaluation.scoring import TaskTotals, centred_average, task_totals
 
 from ..context import RunContext, every
 from .base import Component

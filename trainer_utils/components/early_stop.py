@@ -41,7 +41,7 @@ class EarlyStopping(Component):
             b.update(val_loss=val_loss, step=step, evals_since=0)
             ctx.control.save()  # a no-op when this step is already saved
             if ctx.backend.is_main:
-                mark_best(ctx.checkpoint_dir, checkpoint_dir(ctx.checkpoint_dir, step))
+                mark_best(ctx.run_dir, checkpoint_dir(ctx.run_dir, step))
         else:
             b["evals_since"] += 1
         reason = None

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from evaluation.probes import run_probes
 from model.generate import generate
-from model.probes import run_probes
 
 from ..context import RunContext, every
 from .base import Component

@@ -10,7 +10,7 @@ micro-batches before the loss (GRPO turns prompts into sampled completions there
 Its hooks see the run through narrow views (trainer_utils/context.py): a SetupContext before the data and the
 model exist, a RunContext once the Trainer is built; never the Session or the Trainer. A new stage is a module
 in this package (a Stage subclass with its options), one line in STAGES, and its script, one line:
-`trainer_utils.loop.main(<stage>, argv, __doc__)`.
+`trainer_utils.driver.main(<stage>, argv, __doc__)`.
 """
 from __future__ import annotations
 

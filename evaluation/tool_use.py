@@ -27,8 +27,7 @@ import torch
 from common.answers import answer_right
 from common.tool_calls import Reply, parse_reply, same_call
 from common.tools import BUNDLED, Tool, run_tool
-
-from .generate import generate
+from model.generate import generate
 
 Message = dict[str, Any]
 Generate = Callable[[list[list[int]], int], list[list[int]]]  # (prompts, new-token budget) -> new ids per prompt

@@ -37,10 +37,9 @@ import torch
 
 from common.errors import TokenizerError
 from common.files import DEFAULT_TOKENIZER_DIR, read_json
-
-from .checkpoint import load_model
-from .config import ConfigError, ModelConfig
-from .model import interleave_rope_rows, yarn_attention_factor, yarn_mscale
+from model.checkpoint import load_model
+from model.config import ConfigError, ModelConfig
+from model.model import interleave_rope_rows, yarn_attention_factor, yarn_mscale
 
 OUTTYPES = ("f32", "f16", "q8_0")
 # tokenizer.ggml.pre for a byte-level BPE split by GPT-2's regex (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).

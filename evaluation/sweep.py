@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from common.config import BOUNDS
 from common.errors import ConfigError
 from common.tokens import IGNORE_INDEX
-
-from .generate import SamplingConfig, generate
-from .model import PocketLM
+from model.generate import SamplingConfig, generate
+from model.model import PocketLM
 
 SWEEPABLE = ("temperature", "top_k", "top_p", "repetition_penalty")
 MAX_VALUES = 100  # a typo such as step 0.001 for 0.1 would otherwise run for hours

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from common.answers import judge
-
-from .generate import StopStrings, cut_at_stop, generate
+from model.generate import StopStrings, cut_at_stop, generate
+from model.model import shared_context_mask
 
 Encode = Callable[[str], list[int]]
 Autocast = Callable[[], contextlib.AbstractContextManager]
@@ -170,20 +170,6 @@ def score_groups(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[
             out[g] = group_scores
     model.train(was_training)
     return out
-
-
-def shared_context_mask(segment: torch.Tensor) -> torch.Tensor:
-    """The (B, 1, L, L) attention mask (True: may attend) of rows that each hold a shared context and
-    continuations of it: `segment` (B, L) is 0 on the context, j >= 1 on continuation j, -1 on padding. The
-    context is causal; a continuation sees the context and its own earlier tokens, never another continuation;
-    a pad sees only itself (a query that sees nothing would make SDPA return NaN)."""
-    L = segment.shape[1]
-    order = torch.arange(L, device=segment.device)
-    seen = segment[:, None, :]  # the key's segment, for each query row
-    mask = (order[None, None, :] <= order[None, :, None]) & (seen >= 0) & \
-        ((seen == 0) | (seen == segment[:, :, None]))
-    mask |= torch.eye(L, dtype=torch.bool, device=segment.device)[None]
-    return mask[:, None]
 
 
 def _score_rows(model: torch.nn.Module, groups: Sequence[tuple[list[int], list[list[int]]]], autocast: Autocast,

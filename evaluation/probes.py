@@ -16,9 +16,8 @@ from typing import Callable, Sequence
 import torch
 
 from common.errors import DataError
-
-from .generate import generate
-from .model import PocketLM
+from model.generate import generate
+from model.model import PocketLM
 
 
 @dataclass

@@ -1,56 +1,29 @@
-"""A folder of documents into a clean pretraining corpus, in one deterministic pass.
-
-    python -m dataset.ingest my_docs/ --out corpus.jsonl
-    python -m dataset.ingest papers/ notes/ book.epub --out corpus.jsonl --max_chars 4000
-    python -m dataset.ingest --files_from list.txt --out corpus.jsonl
-
-Walks each folder (sorted, hidden files and folders left out) and reads every .txt, .md, .html/.htm, .pdf, .epub,
-.docx and .jsonl file with the library made for its format (dataset/extract.py). Then, per document:
-  1. split at paragraph boundaries into records of at most --max_chars characters (a paragraph longer than that
-     at sentence ends, a sentence longer than that at a space);
-  2. cleaned and deduplicated as `python -m dataset.clean` does (HTML remnants, Unicode, control characters,
-     whitespace; records under --min_chars dropped; exact and MinHash near-duplicates of an earlier record
-     dropped, the first kept);
-  3. written as {"text", "source", "part", "lang"}: the file it came from (`path#chapter` for an EPUB chapter,
-     `path:line` for a JSONL record), its part number when split, and its detected language (ISO 639-1,
-     py3langid; "und" for text too short to tell).
-
-A file that gives no text is a counted skip with its reason on a `file: reason` line (encrypted or scanned
-PDF, broken archive, text not in UTF-8 ...), never an empty record and never a crash; a format whose library is
-missing names the package to install. Files of other types are counted by suffix. The same inputs give the
-same bytes. The report goes to stdout and <out>.report.json: files by type, skips and why, characters,
-duplicates, languages, and the time each format took (pages/s, MB/s).
-"""
+"""The ingest itself: every file read (formats/), each document split (split.py) into records that are cleaned and
+deduplicated as `python -m dataset.clean` does, told their language (language.py), some held out, written
+atomically with a report of what was read, skipped and kept."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
-import stat
 import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterator
 
+from common.config import option
 from common.errors import ConfigError, DataError
-from dataset.clean import (
-    CleanOptions,
-    CleanStats,
-    Deduper,
-    clean_records,
-    report_or_error,
-    report_path,
-    sentence_pieces,
-)
-from dataset.extract import Extracted, Unreadable, extract_file, file_format
+from dataset.clean import CleanOptions, CleanStats, Deduper, clean_records, report_path
 from dataset.jsonl import SkipReport, write_atomic
 
-UNDETERMINED = "und"
+from .formats import extract_file, file_format
+from .formats.base import Extracted, Unreadable
+from .language import detect_language
+from .split import split_document
+from .walk import find_files, regular_file_size
+
 HELD = "_heldout"  # a record's mark, in the pipeline only, that its document is held out
-_LANGUAGE_SAMPLE = 4000  # characters looked at to tell a record's language
 _LANGUAGE_BLOCK = 256  # records cleaned before their languages are told (see lines() in ingest)
 
 
@@ -58,16 +31,23 @@ _LANGUAGE_BLOCK = 256  # records cleaned before their languages are told (see li
 class IngestOptions:
     """How files become records."""
 
-    max_chars: int = 8000  # a longer document is split into records at paragraph boundaries
-    min_chars: int = 20  # records shorter than this after cleaning are dropped
-    encoding: str | None = None  # for text files not in UTF-8; None: such a file is skipped, with the reason
-    skip_bad_lines: bool = False  # JSONL: skip and count bad lines instead of skipping the file
-    heldout: float = 0.0  # share of documents written to <out stem>.heldout.jsonl instead of <out>
-    near_dedup: bool = True
-    threshold: float = 0.8
-    shingle_size: int = 5
-    num_perm: int = 128
-    seed: int = 1
+    title: ClassVar[str] = "records"
+    max_chars: int = option(8000, "longer documents are split into records at paragraph boundaries")
+    min_chars: int = option(20, "records shorter than this after cleaning are dropped")
+    encoding: str | None = option(None, "the encoding of text files that are not UTF-8 (e.g. gb18030, cp1252); "
+                                        "without it such files are skipped, with the reason", metavar="ENCODING")
+    skip_bad_lines: bool = option(False, "JSONL: skip and count bad lines (without it, a file with a bad line is "
+                                         "skipped, naming it)")
+    heldout: float = option(0.0, "share of documents (whole files, EPUB chapters, JSONL lines; chosen by a hash of "
+                                 "their name) written to <out stem>.heldout.jsonl instead, to measure the adapted "
+                                 "model on (train_pretrain.py --eval_data_path)", metavar="SHARE")
+    near_dedup: bool = option(True, "near-duplicates dropped too (--no-near_dedup: exact deduplication only)",
+                              aliases=("--no_near_dedup",))
+    threshold: float = option(0.8, "Jaccard similarity that counts as a near-duplicate")
+    # MinHash's settings, as dataset.clean has them: in a --config file only
+    shingle_size: int = option(5, "characters per shingle", hidden=True)
+    num_perm: int = option(128, "MinHash permutations", hidden=True)
+    seed: int = option(1, "MinHash seed", hidden=True)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_chars <= self.max_chars:
@@ -76,76 +56,6 @@ class IngestOptions:
             raise ConfigError(f"--threshold must be in (0, 1], got {self.threshold}")
         if not 0.0 <= self.heldout < 1.0:
             raise ConfigError(f"--heldout must be in [0, 1), got {self.heldout}")
-
-
-# ---------------------------------------------------------------------------------------------- the files
-def find_files(inputs: Iterable[str | Path], exclude: Iterable[Path] = ()) -> list[Path]:
-    """Every file under the inputs (folders walked in sorted order, hidden entries left out; files as given),
-    each once, in a fixed order; `exclude` (the output and its report) left out."""
-    skip = {p.resolve() for p in exclude}
-    files, seen = [], set()
-    for given in inputs:
-        root = Path(given)
-        if root.is_file():
-            found = [root]
-        elif root.is_dir():
-            found = []
-            # linked folders are read too, each real folder once: a link back up the tree is no loop
-            visited: set[str] = set()
-            for folder, dirs, names in os.walk(root, followlinks=True):
-                visited.add(os.path.realpath(folder))
-                dirs[:] = sorted(d for d in dirs if not d.startswith(".")
-                                 and os.path.realpath(os.path.join(folder, d)) not in visited)
-                found += [Path(folder) / n for n in sorted(names) if not n.startswith(".")]
-        else:
-            raise DataError(f"{root}: no such file or folder")
-        for path in found:
-            key = Path(os.path.realpath(path))  # path.resolve() raises on a link to itself: read (and skipped) later
-            if key not in seen and key not in skip:
-                seen.add(key)
-                files.append(path)
-    return files
-
-
-# ------------------------------------------------------------------------------------------------ splitting
-def _pieces(text: str, max_chars: int) -> list[str]:
-    """Cut points at the coarsest boundary that divides the text: paragraphs, lines, sentences, spaces, characters.
-    Joined, the pieces give the text back, and each is shorter than the text, so splitting them again ends: a
-    boundary only at the text's end (a long paragraph and its "\n\n") divides nothing and is passed over."""
-    for sep in ("\n\n", "\n"):
-        parts = text.split(sep)
-        pieces = [p + sep for p in parts[:-1]] + [parts[-1]]
-        if max(map(len, pieces)) < len(text):
-            return pieces
-    sentences = sentence_pieces(text)
-    if len(sentences) > 1 and max(map(len, sentences)) < len(text):
-        return sentences
-    cut = text.rfind(" ", 0, max_chars)
-    cut = cut if cut > 0 else max_chars
-    return [text[:cut], text[cut:]]
-
-
-def split_document(text: str, max_chars: int) -> list[str]:
-    """A document as consecutive records of at most max_chars characters, cut at the coarsest boundary that
-    keeps them under it (see _pieces); each record stripped of the whitespace at its ends."""
-    if len(text.strip()) <= max_chars:  # whitespace at the ends (a paragraph's "\n\n") is no reason to cut
-        return [text.strip()] if text.strip() else []
-    chunks, current = [], ""
-    for piece in _pieces(text, max_chars):
-        if len(piece) > max_chars:
-            if current.strip():
-                chunks.append(current.strip())
-            current = ""
-            chunks += split_document(piece, max_chars)
-        elif len(current) + len(piece) > max_chars:
-            if current.strip():
-                chunks.append(current.strip())
-            current = piece
-        else:
-            current += piece
-    if current.strip():
-        chunks.append(current.strip())
-    return chunks
 
 
 # ------------------------------------------------------------------------------------------------ held out
@@ -160,20 +70,6 @@ def is_heldout(where: str, share: float) -> bool:
     against the share, so a document's parts stay together and the choice does not depend on the rest."""
     digest = hashlib.sha256(where.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") < share * 2**64
-
-
-# ------------------------------------------------------------------------------------------------ language
-def detect_language(text: str) -> str:
-    """The ISO 639-1 code of the text's language (py3langid over its first characters), or "und" when there is
-    too little text to tell or py3langid is not installed (`pip install py3langid`)."""
-    sample = text[:_LANGUAGE_SAMPLE]
-    if sum(map(str.isalpha, sample)) < 10:
-        return UNDETERMINED
-    try:
-        import py3langid
-    except ImportError:
-        return UNDETERMINED
-    return py3langid.classify(sample)[0]
 
 
 # ------------------------------------------------------------------------------------------------ pipeline
@@ -210,19 +106,6 @@ class IngestStats:
     languages: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     extract_s: float = 0.0
     language_s: float = 0.0
-
-
-def regular_file_size(path: Path) -> int:
-    """The size of a file that can be read; Unreadable for what a folder may also hold: a symbolic link to nothing,
-    a FIFO or a device (opening those would wait forever, or read without end), a file that vanished."""
-    try:
-        st = path.stat()
-    except OSError as e:
-        dangling = path.is_symlink() and isinstance(e, FileNotFoundError)
-        raise Unreadable("a symbolic link to nothing" if dangling else f"cannot read it ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise Unreadable("not a regular file (a FIFO, socket or device)")
-    return st.st_size
 
 
 def _read(path: Path, opts: IngestOptions, stats: IngestStats, bad_lines: SkipReport,
@@ -399,52 +282,3 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{report['language_s']:.1f} s telling languages); "
                 f"report: {report_path(report['output'])}")
     return "\n".join(rows)
-
-
-def _listed(files_from: str) -> list[str]:
-    try:
-        text = Path(files_from).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{files_from}: cannot read the list of files ({e})") from None
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dataset.ingest", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="*", metavar="PATH", help="folders (walked) and files to read")
-    p.add_argument("--files_from", metavar="LIST", help="a text file naming one file or folder per line")
-    p.add_argument("--out", required=True, help="output .jsonl; the report goes to <out>.report.json")
-    d = IngestOptions()
-    p.add_argument("--max_chars", type=int, default=d.max_chars,
-                   help="longer documents are split into records at paragraph boundaries (default: %(default)s)")
-    p.add_argument("--min_chars", type=int, default=d.min_chars,
-                   help="records shorter than this after cleaning are dropped (default: %(default)s)")
-    p.add_argument("--encoding", help="the encoding of text files that are not UTF-8 (e.g. gb18030, cp1252); "
-                                      "without it such files are skipped, with the reason")
-    p.add_argument("--skip_bad_lines", action="store_true", help="JSONL: skip and count bad lines (without it, "
-                                                                 "a file with a bad line is skipped, naming it)")
-    p.add_argument("--heldout", type=float, default=0.0, metavar="SHARE",
-                   help="share of documents (whole files, EPUB chapters, JSONL lines; chosen by a hash of their "
-                        "name) written to <out stem>.heldout.jsonl instead, to measure the adapted model on "
-                        "(train_pretrain.py --eval_data_path)")
-    p.add_argument("--no_near_dedup", action="store_true", help="exact deduplication only")
-    p.add_argument("--threshold", type=float, default=d.threshold,
-                   help="Jaccard similarity that counts as a near-duplicate (default: %(default)s)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-
-    def run() -> dict[str, Any]:
-        inputs = list(args.inputs) + (_listed(args.files_from) if args.files_from else [])
-        if not inputs:
-            p.error("name at least one folder or file (or --files_from LIST)")
-        opts = IngestOptions(max_chars=args.max_chars, min_chars=args.min_chars, encoding=args.encoding,
-                             skip_bad_lines=args.skip_bad_lines, heldout=args.heldout,
-                             near_dedup=not args.no_near_dedup, threshold=args.threshold)
-        return ingest(inputs, args.out, opts, progress=not args.quiet and sys.stderr.isatty())
-
-    return report_or_error(run, args.out, format_report)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,7 +27,7 @@ with experts stored one tensor each as the Hub checkpoints are (what transformer
 --from_hf imports all three back (refusing what PocketLM cannot compute: attention biases, sliding windows, dense
 layers among the MoE ones, a Qwen2-MoE shared expert with a non-zero gate, ...).
 
-GGUF for llama.cpp and Ollama (model/gguf.py: llama.cpp's `gguf` writer, Llama / Qwen3 / GPT-2 / Mixtral-style MoE):
+GGUF for llama.cpp and Ollama (export/gguf.py: llama.cpp's `gguf` writer, Llama / Qwen3 / GPT-2 / Mixtral-style MoE):
 
     python -m model.convert --checkpoint out/<run> --to gguf --out model.gguf [--outtype f32|f16|q8_0]
 
@@ -66,9 +66,8 @@ import torch
 
 from common.device import DTYPES, dtype_name
 from common.errors import TokenizerError
-
-from .checkpoint import load_model
-from .config import (
+from model.checkpoint import load_model
+from model.config import (
     ROPE_SCALING_TYPES,
     ConfigError,
     ModelConfig,
@@ -76,8 +75,7 @@ from .config import (
     get_preset,
     parse_rope_scaling,
 )
-from .gguf import OUTTYPES, export_gguf
-from .loading import (
+from model.loading import (
     ADAPTER_WEIGHTS_NAME,
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -89,8 +87,10 @@ from .loading import (
     save_model,
     special_token_ids,
 )
-from .lora import LoraSpec, adapter_shapes, check_lora_state, load_lora_model, read_lora_config
-from .model import PocketLM, interleave_rope_rows, rotate_half_rows
+from model.lora import LoraSpec, adapter_shapes, check_lora_state, load_lora_model, read_lora_config
+from model.model import PocketLM, interleave_rope_rows, rotate_half_rows
+
+from .gguf import OUTTYPES, export_gguf
 
 # PocketLM's GELU is the tanh approximation; these transformers activation names compute exactly that.
 GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -526,7 +526,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, config: ModelConfig |
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Write a PocketLM model directory from a transformers Llama, Qwen3, GPT-2, Mixtral, Qwen2-MoE or ERNIE 4.5
     MoE directory of an architecture PocketLM computes."""
-    from .loading import load_state_into
+    from model.loading import load_state_into
 
     hf_dir = Path(hf_dir)
     config_path = hf_dir / CONFIG_NAME
@@ -665,7 +665,9 @@ def _base_has_router_bias(weights: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # prog: the same usage line from `python -m model.convert` (the documented command) and `python -m export.convert`
+    p = argparse.ArgumentParser(prog="convert.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="PocketLM run dir, model dir, or weights file (.safetensors/.pth); a LoRA "
                                           "run exports merged")
