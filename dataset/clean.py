@@ -779,7 +779,8 @@ def report_or_error(run: Callable[[], dict[str, Any]], out: str, describe: Calla
         where = e.filename or out  # the output, when the error names no file
         print(f"error: {where}: {e.strerror or e}" if where else f"error: {e.strerror or e}", file=sys.stderr)
         return 1
-    print(describe(report))
+    # a file name that is not UTF-8 holds surrogates, which stdout cannot encode: shown escaped, as stderr shows them
+    print(describe(report).encode("utf-8", "backslashreplace").decode("utf-8"))
     return 0
 
 

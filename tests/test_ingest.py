@@ -991,17 +991,21 @@ def test_ingest_draws_its_progress_bar_by_default(tmp_path, capsys):
 
 def test_a_file_name_that_is_not_utf8_is_read_and_named_exactly(tmp_path):
     """A name in another encoding (bytes that are not UTF-8, common on old archives) reaches Python as surrogates;
-    such a file was once a crash (UnicodeEncodeError) when its record was written. Its source reads back as the
-    name's own bytes."""
+    such a file was once a crash (UnicodeEncodeError) when its record, or the report naming it, was written. Its
+    source reads back as the name's own bytes, and the summary on screen shows it escaped."""
     import os
 
     folder = os.fsencode(tmp_path / "docs")
     os.mkdir(folder)
     with open(folder + b"/caf\xe9.txt", "wb") as f:
         f.write(PARAGRAPHS[0].encode("utf-8"))
+    with open(folder + b"/bad\xff.pdf", "wb") as f:  # skipped, and named in the report and on screen
+        f.write(b"not a PDF")
     out = tmp_path / "out.jsonl"
-    assert ingest([tmp_path / "docs"], out, progress=False)["records"]["kept"] == 1
+    assert main([str(tmp_path / "docs"), "--out", str(out), "--quiet"]) == 0
     assert [os.fsencode(r["source"]) for r in read_jsonl(out)] == [folder + b"/caf\xe9.txt"]
+    report = json.loads(out.with_name("out.jsonl.report.json").read_text(encoding="utf-8"))
+    assert [os.fsencode(s.partition(": ")[0]) for s in report["skipped"]] == [folder + b"/bad\xff.pdf"]
 
 
 def test_the_list_of_files_is_read_as_utf8_whatever_the_locale(tmp_path):

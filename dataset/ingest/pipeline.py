@@ -248,7 +248,9 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
         raise DataError(f"no text kept from {len(files)} files under {', '.join(map(str, inputs))}{why}")
     report = make_report(inputs, out, len(files), opts, stats, clean_stats, bad_lines, len(heldout),
                          time.perf_counter() - start)
-    write_atomic(report_path(out), json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    # a file name that is not UTF-8 (surrogates) as JSON's \udcXX escape, which reads back the same, as in records
+    write_atomic(report_path(out), (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode("utf-8",
+                                                                                                   "backslashreplace"))
     return report
 
 
