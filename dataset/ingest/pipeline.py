@@ -212,8 +212,7 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
             record["lang"] = lang
             stats.languages[lang]["records"] += 1
             stats.languages[lang]["chars"] += len(record["text"])
-            # a file name that is not UTF-8 holds surrogates: written as JSON's \udcXX escapes, read back the same
-            line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+            line = json_line(record)
             if held:
                 heldout.append(line)
             else:
@@ -248,10 +247,14 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
         raise DataError(f"no text kept from {len(files)} files under {', '.join(map(str, inputs))}{why}")
     report = make_report(inputs, out, len(files), opts, stats, clean_stats, bad_lines, len(heldout),
                          time.perf_counter() - start)
-    # a file name that is not UTF-8 (surrogates) as JSON's \udcXX escape, which reads back the same, as in records
-    write_atomic(report_path(out), (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode("utf-8",
-                                                                                                   "backslashreplace"))
+    write_atomic(report_path(out), json_line(report, indent=2))
     return report
+
+
+def json_line(value: Any, indent: int | None = None) -> bytes:
+    """`value` as UTF-8 JSON and a line break. A file name that is not UTF-8 reaches Python as surrogates, which UTF-8
+    cannot encode: they are written as JSON's \\udcXX escapes, which read back as the same name."""
+    return (json.dumps(value, ensure_ascii=False, indent=indent) + "\n").encode("utf-8", "backslashreplace")
 
 
 def format_report(report: dict[str, Any]) -> str:
