@@ -271,9 +271,9 @@ def test_block_text_keeps_a_pre_as_it_is():
 
     root = lxml.html.document_fromstring(
         "<html><body><p>Code:</p><pre>def lamp(oil):\n    if oil:  \n        return <b>'lit'</b>\n\n    return None"
-        "</pre><p>After  it.</p><pre>  one line</pre></body></html>")
+        "</pre><p>After  it.</p><pre>  TeX</pre><pre><b>bold</b> first, <i>italic</i></pre></body></html>")
     assert block_text(root) == ("Code:\ndef lamp(oil):\n    if oil:\n        return 'lit'\n\n    return None\n"
-                                "After it.\n  one line")
+                                "After it.\n  TeX\nbold first, italic")
     xhtml = lxml.etree.fromstring('<body xmlns="http://www.w3.org/1999/xhtml"><p>Run</p><pre>\nmake\n  all\n</pre>'
                                   "</body>")
     assert block_text(xhtml) == "Run\nmake\n  all"  # its first and last line breaks are no lines

@@ -141,7 +141,7 @@ def block_text(root: Any) -> str:
             if el.text:  # a <pre> too: "Run<pre>make" once read "Runmake"
                 el.text = "\n" + el.text
         if tag == "pre":  # its text on one line to the split below, its breaks marked
-            el.text = "\n" + _PRE_BREAK + (el.text or "").lstrip("\n").replace("\n", _PRE_BREAK)
+            el.text = "\n" + _PRE_BREAK + (el.text or "").replace("\n", _PRE_BREAK)
             for inner in el.iterdescendants():
                 inner.text, inner.tail = (t.replace("\n", _PRE_BREAK) if t else t for t in (inner.text, inner.tail))
     lines = (re.sub(r"[ \t]+", " ", line).strip() if _PRE_BREAK not in line
