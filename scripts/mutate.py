@@ -212,6 +212,14 @@ INGEST_EQUIVALENT = (
     Equivalent("is_heldout", ("int.from_bytes(digest[:8], )",),
                'byteorder defaults to "big" from Python 3.11 (on 3.10 the call raises, which every test sees)'),
     Equivalent("_listed", ('read_text(encoding="UTF-8")',), "codec names are case-insensitive"),
+    Equivalent("json_line", ('encode("UTF-8", "backslashreplace")', "ensure_ascii=None"),
+               "codec names are case-insensitive; json reads ensure_ascii as a truth value (None is False)"),
+    Equivalent("split_document", ("if len(piece) >= max_chars:",),
+               "a piece of exactly max_chars ends its record either way: alone, or as the record the next piece "
+               "flushes (any next piece overflows it)"),
+    Equivalent("main", ('files.out or "XXXX"',),
+               "without --out, run() stops with a ConfigError before anything is written: the fallback never names "
+               "an error"),
 )
 TARGETS: dict[str, Target] = {
     "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_budget_plan.py",

@@ -810,6 +810,9 @@ def test_heldout_is_a_name_hash_below_the_share():
     ("你好。再见。", 4, ["你好。", "再见。"]),  # two sentences (no space to cut at): at the sentence end
     ("aa bb cccc", 7, ["aa bb", "cccc"]),  # at the last space that keeps the record under max_chars
     ("a bbbbbb", 4, ["a", "bbb", "bbb"]),  # a space after one character is a cut; a long word is cut anywhere
+    # paragraphs of 6, 6 and 4 characters (the blank lines counted) at 10: the first alone (6 + 6 > 10), the last two
+    # together, exactly 10 ("efgh\n\n" + "ijkl")
+    ("abcd\n\nefgh\n\nijkl", 10, ["abcd", "efgh\n\nijkl"]),
 ])
 def test_split_document_cuts_at_the_coarsest_boundary(text, max_chars, records):
     assert split_document(text, max_chars) == records
