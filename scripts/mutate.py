@@ -303,8 +303,6 @@ def write_config(copy: Path, modules: list[str], tests: tuple[str, ...]) -> None
         f"only_mutate ={listed(modules)}\n"
         f"pytest_add_cli_args_test_selection ={listed(tests)}\n"
         "pytest_add_cli_args = -p no:cacheprovider\n"
-        # a mutant that loops forever waits out (estimate + 1) * multiplier CPU seconds: 3, not mutmut's 15
-        "timeout_multiplier = 3\n"
         "use_git_change_detection = false\n")
 
 
