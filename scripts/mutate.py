@@ -174,10 +174,8 @@ EXTRACT_EQUIVALENT = (
                "ebooklib's own default is ignore_ncx=True (EpubReader.DEFAULT_OPTIONS)"),
     Equivalent("read_docx", ("raise Unreadable(None) from None", "XXnot a Word .docx file", "not a word .docx file",
                              "NOT A WORD .DOCX FILE"),
-               "unreachable: python-docx raises PackageNotFoundError only for a non-zip path, which _check_zip "
+               "unreachable: python-docx raises PackageNotFoundError only for a non-zip path, which check_zip "
                "refused"),
-    Equivalent("extract_file", ("read_jsonl(path, None, skip_bad_lines, report)",),
-               "read_jsonl takes encoding only for the readers' common signature and never reads it"),
 )
 PLAN_EQUIVALENT = (
     Equivalent("BudgetPlan.fit", ("time_for(after, hi, step_s) < seconds",),

@@ -225,9 +225,9 @@ class Trainer:
         self.sync_counters()
         self.state.train_time_s = self.clock.elapsed()
         if backend.is_main:
-            new_staging_dir(self.session.run_dir, step)
+            new_staging_dir(s.run_dir, step)
         backend.barrier()
-        backend_state = backend.save_state(staging_dir(self.session.run_dir, step))
+        backend_state = backend.save_state(staging_dir(s.run_dir, step))
         weights = backend.master_weights(self.model) if s.lora is None else None
         backend.barrier()
         if backend.is_main:

@@ -138,12 +138,12 @@ def block_text(root: Any) -> str:
         tag = el.tag.rsplit("}", 1)[-1] if isinstance(el.tag, str) else ""
         if tag in _BLOCKS:
             el.tail = "\n" + (el.tail or "")
-            if el.text:  # a <pre> too: "Run<pre>make" once read "Runmake"
+            if tag == "pre":  # on a line of its own ("Run<pre>make" once read "Runmake"), its own breaks marked
+                el.text = "\n" + _PRE_BREAK + (el.text or "").replace("\n", _PRE_BREAK)
+                for inner in el.iterdescendants():
+                    inner.text, inner.tail = (t.replace("\n", _PRE_BREAK) if t else t for t in (inner.text, inner.tail))
+            elif el.text:
                 el.text = "\n" + el.text
-        if tag == "pre":  # its text on one line to the split below, its breaks marked
-            el.text = "\n" + _PRE_BREAK + (el.text or "").replace("\n", _PRE_BREAK)
-            for inner in el.iterdescendants():
-                inner.text, inner.tail = (t.replace("\n", _PRE_BREAK) if t else t for t in (inner.text, inner.tail))
     lines = (re.sub(r"[ \t]+", " ", line).strip() if _PRE_BREAK not in line
              else "\n".join(part.rstrip() for part in line.split(_PRE_BREAK)).strip("\n")
              for line in lxml.etree.tostring(root, method="text", encoding="unicode", with_tail=False).split("\n"))
