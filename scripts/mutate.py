@@ -215,6 +215,14 @@ INGEST_EQUIVALENT = (
     Equivalent("split_document", ("if len(piece) >= max_chars:",),
                "a piece of exactly max_chars ends its record either way: alone, or as the record the next piece "
                "flushes (any next piece overflows it)"),
+    Equivalent("ingest", ("disable=not progress, file=None,", "disable=not progress, dynamic_ncols=True)",
+                          "dynamic_ncols=None)", "dynamic_ncols=False)", "file=sys.stderr, )"),
+               "tqdm writes to sys.stderr by default (file None or left out); dynamic_ncols only follows a "
+               "terminal's resizing, and without it the bar keeps the width it read at the start"),
+    Equivalent("ingest", ('yield 1, {"text": chunk',),
+               "clean_records takes (line number, record) pairs and reads only the record: the number is a "
+               "placeholder"),
+    Equivalent("ingest", ("CleanOptions(strip_html=None)",), "strip_html is read as a truth value (None is False)"),
     Equivalent("main", ('files.out or "XXXX"',),
                "without --out, run() stops with a ConfigError before anything is written: the fallback never names "
                "an error"),
@@ -421,9 +429,10 @@ def mutate(name: str, target: Target, jobs: int, keep: bool, only: tuple[str, ..
     write_config(copy, modules, target.tests)
     log = copy / "mutmut.log"
     print(f"{name}: mutmut on {', '.join(target.tests)} (in {copy}, log mutmut.log)", flush=True)
-    with open(log, "w") as out:
+    with open(log, "w") as out:  # property tests unshrunk (tests/test_properties.py: the mutation profile)
         done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs),
-                               *map(mutant_pattern, only)], cwd=copy, stdout=out, stderr=subprocess.STDOUT)
+                               *map(mutant_pattern, only)], cwd=copy, stdout=out, stderr=subprocess.STDOUT,
+                              env={**os.environ, "HYPOTHESIS_PROFILE": "mutation"})
     # a module with no function to mutate (a package's __init__ of imports) has no results
     if done.returncode != 0 or not any((copy / "mutants" / f"{m}.meta").is_file() for m in modules):
         tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-30:]

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -15,6 +17,12 @@ sys.path.insert(0, str(ROOT))
 PACKAGES = ("common", "model", "dataset", "evaluation", "export", "trainer_utils", "serving", "launch")
 
 from model import ModelConfig, get_preset  # noqa: E402
+
+# tqdm's default lock holds a multiprocessing RLock: a semaphore every process forked after it shares. A test
+# process killed while holding it (mutmut forks one per mutant and kills those past its time limit) would leave
+# every later one blocked on it for good, using no CPU, so never timed out. Progress bars in tests need a thread
+# lock only.
+tqdm.tqdm.set_lock(threading.RLock())
 
 
 def tiny_config(style: str = "llama", **overrides) -> ModelConfig:

@@ -910,6 +910,26 @@ def test_cli_no_near_dedup_keeps_near_duplicates_only(tmp_path):
     assert report["options"]["near_dedup"] is False
 
 
+def test_the_near_dedup_settings_reach_the_deduplication(tmp_path, monkeypatch):
+    """Each near-duplicate setting is the deduplication's, the seed too (it picks the MinHash permutations: another
+    seed, other signatures)."""
+    import dataset.ingest.pipeline as ingest_module
+
+    made = []
+
+    class Recorded(ingest_module.Deduper):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(ingest_module, "Deduper", Recorded)
+    (tmp_path / "a.txt").write_text(PARAGRAPHS[0], encoding="utf-8")
+    opts = IngestOptions(shingle_size=3, num_perm=64, threshold=0.7, seed=7)
+    ingest([str(tmp_path / "a.txt")], tmp_path / "c.jsonl", opts, progress=False)
+    [d] = made
+    assert (d.near_dedup, d.shingle_size, d.num_perm, d.threshold, d.seed) == (True, 3, 64, 0.7, 7)
+
+
 def test_cli_a_failing_disk_is_one_error_line_naming_the_output(tmp_path, monkeypatch, capsys):
     """An OSError that names no file (a full disk) is reported against the output."""
     import errno

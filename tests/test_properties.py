@@ -3,7 +3,9 @@ that fails): where the input space is too large for tests by example.
 
 The default profile keeps each property to a few dozen examples so the suite stays fast, and draws them the same
 way on every run (derandomized: a red CI run is the code's, never the draw's); `HYPOTHESIS_PROFILE=thorough` runs
-many more, freshly drawn, to look for new failures (which then become @example cases here).
+many more, freshly drawn, to look for new failures (which then become @example cases here). `make mutate` runs
+them as `mutation`: the default's examples, not shrunk (a mutant is killed by the first failure; shrinking it
+would take minutes of mutmut's time limit).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 from common.errors import ConfigError, TrainingError
@@ -27,6 +29,8 @@ from trainer_utils.optim import WarmupCosine
 
 settings.register_profile("default", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=2000, deadline=None)
+settings.register_profile("mutation", max_examples=60, deadline=None, derandomize=True,
+                          phases=(Phase.explicit, Phase.reuse, Phase.generate))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # Text made of what decides where a document is cut: paragraph and line breaks, sentence ends (English and

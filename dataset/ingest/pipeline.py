@@ -241,7 +241,7 @@ def ingest(inputs: list[str], out: str | Path, opts: IngestOptions | None = None
     if opts.heldout:
         write_atomic(heldout_path(out), heldout)
     if clean_stats.kept == len(heldout):  # nothing to train on (or nothing at all)
-        out.unlink(missing_ok=True)
+        out.unlink()  # written just above
         heldout_path(out).unlink(missing_ok=True)
         why = f"; skipped: {'; '.join(stats.skipped[:3])}" if stats.skipped else ""
         raise DataError(f"no text kept from {len(files)} files under {', '.join(map(str, inputs))}{why}")
