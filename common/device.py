@@ -28,6 +28,7 @@ import re
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Callable
 
 import torch
 
@@ -102,6 +103,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def timed(work: Callable[[], Any], device: torch.device) -> float:
+    """Seconds `work()` takes on `device`, its queued work included (what a training step's timing needs)."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    work()
+    synchronize(device)
+    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------ capabilities

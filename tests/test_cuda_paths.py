@@ -97,7 +97,7 @@ def test_the_model_is_compiled_after_the_backend_wraps_it(corpus, tmp_path, monk
     config = parse_train_config("pretrain", flags(corpus, tmp_path) + ["--compile"], "")
     trainer = loop.Trainer(loop.Session(config, "pretrain"))
     assert isinstance(trainer.wrapped, Wrapper) and trainer.wrapped.module is trainer.model
-    assert trainer.forward_model._orig_mod is trainer.wrapped  # torch.compile's OptimizedModule around the wrapper
+    assert trainer.step.forward_model._orig_mod is trainer.wrapped  # torch.compile's OptimizedModule around the wrapper
 
 
 def test_cuda_devices_get_the_attention_policy(monkeypatch):

@@ -60,7 +60,7 @@ def test_overfit_gap_stops_when_validation_drifts_above_training(corpus, tmp_pat
     losses = iter([])
 
     def val_above_train(self, ctx):
-        return {ctx.val_sets[0].name: {"loss": (ctx.train_loss or 9.0) + next(losses, 1.0)}}
+        return {ctx.val_sets[0].name: {"loss": (ctx.measured.get("train_loss") or 9.0) + next(losses, 1.0)}}
 
     losses = iter([0.1, 0.2, 0.8])  # gaps at steps 2, 4, 6
     monkeypatch.setattr(Evaluation, "evaluate", val_above_train)

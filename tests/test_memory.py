@@ -16,7 +16,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -37,11 +36,11 @@ from model.memory import (
 )
 from trainer_utils.backend import Comm, TorchBackend
 from trainer_utils.config import ModelOptions
-from trainer_utils.loop import Trainer
 from trainer_utils.objectives import LanguageModeling
 from trainer_utils.optim import build_optimizer
 from trainer_utils.routing import RouterBalance
 from trainer_utils.runtime import Precision
+from trainer_utils.step import Step
 
 from conftest import ROOT, strict_records
 
@@ -61,9 +60,9 @@ def small_config(style: str = "llama", d: int = 64, vocab: int = 256, **override
 
 
 class TrainingStep:
-    """One optimizer step exactly as the trainer takes it: Trainer.train_step (autocast forward, fp32 loss, a
-    mixture of experts' router losses, backward) over the micro-batches, then the single-process backend's step
-    (clip, fused AdamW, zero_grad)."""
+    """One optimizer step exactly as the trainer takes it: trainer_utils/step.py's backward (autocast forward,
+    fp32 loss, a mixture of experts' router losses, backward) over the micro-batches, then the single-process
+    backend's step (clip, fused AdamW, zero_grad)."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str = "float32",
                  grad_checkpointing: bool = False, accumulation_steps: int = 1, optimizer: str = "adamw") -> None:
@@ -73,13 +72,9 @@ class TrainingStep:
         precision = Precision(CPU, getattr(torch, dtype))
         self.backend = TorchBackend(Comm(), CPU, precision, grad_clip=1.0)
         self.router = RouterBalance(cfg, self.backend, CPU) if cfg.moe else None
-        # train_step reads only these attributes of the Trainer (no torch.compile: forward_model is the wrapped model)
         wrapped, self.optimizer = self.backend.wrap(
             self.model, lambda m: build_optimizer(m, optimizer, 5e-4, 0.1, (0.9, 0.95), 0.9, CPU))
-        self.trainer = types.SimpleNamespace(
-            backend=self.backend, device=CPU, precision=precision, wrapped=wrapped, forward_model=wrapped,
-            empty_step_anchor=min(self.model.parameters(), key=torch.numel), objective=LanguageModeling(),
-            router=self.router)
+        self.step = Step(self.model, wrapped, LanguageModeling(), self.backend, self.router)
         g = torch.Generator().manual_seed(0)
         self.micro = [(torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=g),
                        torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=g))
@@ -89,7 +84,7 @@ class TrainingStep:
     def backward(self) -> None:
         if self.router is not None:  # as the loop does before each step: the step's input tokens
             self.router.start_step(torch.tensor(float(sum(x.numel() for x, _ in self.micro))))
-        Trainer.train_step(self.trainer, self.micro, self.n_valid)
+        self.step.backward(self.micro, self.n_valid)
 
     def __call__(self) -> None:
         self.backward()

@@ -19,6 +19,8 @@ from model import __main__ as model_cli
 from model.config import get_preset
 from model.memory import estimate_memory
 from trainer_utils import planner
+from trainer_utils.backend import Comm, TorchBackend
+from trainer_utils.config import OptimConfig
 from trainer_utils.optim import MuonWithAdamW
 from trainer_utils.planner import PresetRow, data_tokens
 from trainer_utils.runtime import Precision
@@ -407,26 +409,31 @@ def test_a_gpu_plan_by_hand(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- timing, on a stub clock
-class StubClock:
-    """time.perf_counter for planner, moved on only by the stub step: a warm-up of 64 s each for the forward and
-    backward and the update, then the given seconds in turn (binary fractions: sums exact)."""
+class StubStep:
+    """Stands in for pretraining_step's step and for timed(): each timed backward or update takes the next of the
+    given seconds, after a warm-up step (binary fractions: sums exact). Records what was asked of it."""
 
     def __init__(self, backward_s, update_s):
-        self.now, self.backward_s, self.update_s = 0.0, [64.0, *backward_s], [64.0, *update_s]
-        self.batches, self.optimizers, self.events = [], [], []
+        self.seconds = {"backward": list(backward_s), "update": list(update_s)}
+        self.built, self.events = [], []
 
-    def perf_counter(self):
-        return self.now
+    def build(self, cfg, device, precision, batch, seq_len):
+        self.built.append((cfg, device, precision, batch, seq_len))
+        return self
 
-    def backward(self, model, precision, x):
-        self.batches.append(x)
+    def backward(self):
         self.events.append("backward")
-        self.now += self.backward_s.pop(0)
 
-    def update(self, model, optimizer, precision):
-        self.optimizers.append(optimizer)
+    def update(self):
         self.events.append("update")
-        self.now += self.update_s.pop(0)
+
+    def __call__(self):
+        self.backward()
+        self.update()
+
+    def timed(self, work, device):
+        work()
+        return self.seconds[work.__name__].pop(0)
 
 
 @pytest.mark.parametrize("min_seconds,backward_s,update_s", [
@@ -436,57 +443,65 @@ class StubClock:
 ])
 def test_a_steady_step_is_the_median_of_the_timed_steps_after_a_warm_up(monkeypatch, min_seconds, backward_s,
                                                                         update_s):
-    clock = StubClock([0.5, 0.125, 0.25, 1.0], [0.25, 0.5, 0.75, 1.0])
-    monkeypatch.setattr(planner, "time", clock)
-    monkeypatch.setattr(planner, "backward", clock.backward)
-    monkeypatch.setattr(planner, "update", clock.update)
-    cfg = get_preset("tiny", vocab_size=256)
-    step = planner.time_steps(cfg, torch.device("cpu"), Precision(torch.device("cpu"), torch.float32), 16, 64,
-                              min_seconds)
+    stub = StubStep([0.5, 0.125, 0.25, 1.0], [0.25, 0.5, 0.75, 1.0])
+    monkeypatch.setattr(planner, "pretraining_step", stub.build)
+    monkeypatch.setattr(planner, "timed", stub.timed)
+    cfg, cpu = get_preset("tiny", vocab_size=256), torch.device("cpu")
+    precision = Precision(cpu, torch.float32)
+    step = planner.time_steps(cfg, cpu, precision, 16, 64, min_seconds)
     assert (step.backward_s, step.update_s, step.peak_bytes) == (backward_s, update_s, None)  # CPU: no peak
-    assert len(clock.batches) == len(clock.optimizers) == (3 if min_seconds < 1.5 else 4)  # warm-up included
-    x = clock.batches[0]  # random tokens of the whole vocabulary, the same batch every step
-    assert x.shape == (16, 64) and x.min() == 0 and x.max() == 255 and all(b is x for b in clock.batches)
-
-
-def test_the_timed_optimizer_is_pretrainings(monkeypatch):
-    """Pretraining's default --optimizer, muon: Muon on the hidden matrices (weight decay 0.1), AdamW (betas 0.9,
-    0.95) on the rest, all at the planner's learning rate, 1e-3; one optimizer for every step."""
-    clock = StubClock([0.5, 0.5], [0.5, 0.5])
-    monkeypatch.setattr(planner, "time", clock)
-    monkeypatch.setattr(planner, "backward", clock.backward)
-    monkeypatch.setattr(planner, "update", clock.update)
-    planner.time_steps(get_preset("tiny"), torch.device("cpu"), Precision(torch.device("cpu"), torch.float32), 1,
-                       8, 0.0)
-    optimizer = clock.optimizers[0]
-    assert all(o is optimizer for o in clock.optimizers) and isinstance(optimizer, MuonWithAdamW)
-    muon, *adamw = optimizer.param_groups
-    assert (muon["owner"], muon["lr"], muon["weight_decay"]) == ("muon", 1e-3, 0.1)
-    assert {g["owner"] for g in adamw} == {"adamw"} and all(g["lr"] == 1e-3 for g in adamw)
-    assert optimizer.adamw.defaults["betas"] == (0.9, 0.95)
+    assert stub.built == [(cfg, cpu, precision, 16, 64)]  # one model, one batch for every step
+    assert stub.events == ["backward", "update"] * (3 if min_seconds < 1.5 else 4)  # the warm-up step first
 
 
 # ---------------------------------------------------------------------------- the step, the data, the device
-def test_the_step_is_the_next_token_loss_scaled_for_fp16():
-    """A "model" whose logits are a zero leaf (uniform over 4 tokens): the mean cross-entropy over the 2 x 3
-    positions has gradient (1/4 - [v is the next token]) / 6, the next token of a sequence's last position wrapping
-    to its own first (x.roll(-1) along the sequence); fp16's loss scaling multiplies it by the scaler's 65,536."""
-    x = torch.tensor([[1, 2, 3], [0, 1, 2]])  # next tokens: 2, 3, 1 and 1, 2, 0
-    a, b = 1 / 24, 1 / 24 - 1 / 6
-    expected = torch.tensor([[[a, a, b, a], [a, a, a, b], [a, b, a, a]], [[a, b, a, a], [a, a, b, a], [b, a, a, a]]])
+def test_the_timed_step_is_pretrainings_on_random_tokens():
+    """A new model, a batch of random tokens of the whole vocabulary, their next tokens as targets (the last
+    position's wrapping to the first), and pretraining's default --optimizer, muon: Muon on the hidden matrices
+    (weight decay 0.1), AdamW (betas 0.9, 0.95) on the rest, at --learning_rate's default, 5e-4."""
+    cpu = torch.device("cpu")
+    step = planner.pretraining_step(get_preset("tiny", vocab_size=256), cpu, Precision(cpu, torch.float32), 16, 64)
+    [(x, y)] = step.micro
+    assert x.shape == (16, 64) and x.min() == 0 and x.max() == 255
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, 0]) and step.n_valid.item() == 16 * 64
+    optimizer = step.backend.optimizer
+    assert isinstance(optimizer, MuonWithAdamW)
+    muon, *adamw = optimizer.param_groups
+    assert (muon["owner"], muon["lr"], muon["weight_decay"]) == ("muon", 5e-4, 0.1)
+    assert {g["owner"] for g in adamw} == {"adamw"} and all(g["lr"] == 5e-4 for g in adamw)
+    assert optimizer.adamw.defaults["betas"] == (0.9, 0.95) and step.backend.grad_clip == 1.0
+
+
+def test_the_timed_backward_is_the_mean_next_token_loss_scaled_for_fp16():
+    """The gradients of the step's backward are those of the mean cross-entropy of the next tokens (the forward in
+    the precision's autocast, the loss in fp32), computed here with torch alone; fp16's loss scaling multiplies
+    them by the scaler's 65,536."""
+    cpu, cfg = torch.device("cpu"), get_preset("tiny", vocab_size=64)
     for dtype, scale in ((torch.float32, 1.0), (torch.float16, 65536.0)):
-        logits = torch.zeros(2, 3, 4, requires_grad=True)
-        planner.backward(lambda ids: logits, Precision(torch.device("cpu"), dtype), x)
-        torch.testing.assert_close(logits.grad, expected * scale)
+        precision = Precision(cpu, dtype)
+        step = planner.pretraining_step(cfg, cpu, precision, 2, 8)
+        [(x, _)] = step.micro
+        model = step.step.wrapped
+        reference = PocketLM(cfg)
+        reference.load_state_dict(model.state_dict())
+        with precision.autocast():
+            logits = reference(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.roll(-1, 1).flatten())
+        (loss * scale).backward()
+        step.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6 * scale, msg=name)
 
 
 def test_the_update_unscales_clips_to_norm_one_and_clears_the_gradients():
+    """The update is the single-process backend's, clipping at --grad_clip's default, 1."""
     model = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     precision = Precision(torch.device("cpu"), torch.float16)
+    backend = TorchBackend(Comm(), torch.device("cpu"), precision, OptimConfig().grad_clip)
+    backend.wrap(model, lambda m: torch.optim.SGD(m.parameters(), lr=1.0))
     precision.scaler.scale(model(torch.tensor([3.0, 4.0])).sum()).backward()  # gradient (3, 4) x 65,536
-    planner.update(model, optimizer, precision)
+    planner.PretrainingStep(None, backend, [], torch.tensor(0.0)).update()
     # unscaled to (3, 4), norm 5, clipped to norm 1: (0.6, 0.8); one step of SGD at lr 1 from zero
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[-0.6, -0.8]]))
     assert model.weight.grad is None
@@ -604,33 +619,21 @@ def test_the_command_prints_the_plan_whole(monkeypatch, capsys):
 
 
 def test_a_gpu_step_is_built_there_and_measures_its_peak_memory(monkeypatch):
-    """time_steps on a stand-in CUDA device: the model and the batch are put on it, its peak-memory counter is reset
-    after the warm-up step and read after the timed ones, and its cache emptied for the next preset."""
-    clock = StubClock([0.5, 0.5], [0.5, 0.5])
-    events = clock.events
+    """time_steps on a stand-in CUDA device: the step is built there, its peak-memory counter is reset after the
+    warm-up step and read after the timed ones, and its cache emptied for the next preset."""
+    stub = StubStep([0.5, 0.5], [0.5, 0.5])
+    events = stub.events
     cuda = torch.device("cuda")
-
-    class PlacedLM(PocketLM):
-        def to(self, device):
-            events.append(("to", device))
-            return self
-
-    def randint(low, high, size, device=None):
-        events.append(("randint", device))
-        return torch.zeros(size, dtype=torch.long)
 
     def cuda_call(name, result=None):
         return lambda *args: events.append((name, *args)) or result
 
-    for name, stub in (("time", clock), ("backward", clock.backward), ("update", clock.update),
-                       ("PocketLM", PlacedLM), ("synchronize", lambda device: None),
-                       ("build_optimizer", lambda *args: "the optimizer")):
-        monkeypatch.setattr(planner, name, stub)
-    monkeypatch.setattr(torch, "randint", randint)
+    monkeypatch.setattr(planner, "pretraining_step", stub.build)
+    monkeypatch.setattr(planner, "timed", stub.timed)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", cuda_call("reset"))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", cuda_call("peak", 4242))
     monkeypatch.setattr(torch.cuda, "empty_cache", cuda_call("empty_cache"))
     step = planner.time_steps(get_preset("tiny"), cuda, Precision(torch.device("cpu"), torch.float32), 2, 8, 0.0)
-    assert step.peak_bytes == 4242
-    assert events == [("to", cuda), ("randint", cuda), "backward", "update", ("reset", cuda),
-                      "backward", "update", "backward", "update", ("peak", cuda), ("empty_cache",)]
+    assert step.peak_bytes == 4242 and stub.built[0][1] == cuda
+    assert events == ["backward", "update", ("reset", cuda), "backward", "update", "backward", "update",
+                      ("peak", cuda), ("empty_cache",)]

@@ -14,6 +14,7 @@ import torch
 from test_train import flags, stop_at, weights
 
 import train_pretrain
+from common import device as device_mod
 from common.errors import ConfigError, TrainingError
 from model.inference import read_train_info
 from trainer_utils import budget as budget_mod
@@ -126,7 +127,7 @@ def virtual_clock(monkeypatch, step_cost, *, eval_s: float = 0.0, save_s: float 
     """Each optimizer step costs step_cost(step) virtual seconds; an evaluation round eval_s, a checkpoint save_s,
     building a model build_s; the process was age_s old when main() began (the interpreter and imports)."""
     clock = VirtualTime()
-    for module in (loop_mod, driver_mod, metrics_mod, budget_mod):
+    for module in (loop_mod, driver_mod, metrics_mod, budget_mod, device_mod):  # device_mod: timed()
         monkeypatch.setattr(module, "time", clock)
     monkeypatch.setattr(driver_mod, "process_age", lambda: age_s)
 
@@ -334,14 +335,13 @@ def guard_plan(steps: int, limit: int, check_every: int = 1) -> BudgetPlan:
 
 class GuardRun:
     """A TimeBudgetGuard on a fake run: the clocks and step are set by the test, the backend is one rank, and the
-    loop's re-plans, records and messages are kept."""
+    re-plans it returns, its records and messages are kept."""
 
     def __init__(self, plan: BudgetPlan | None) -> None:
         self.elapsed, self.spent, self.ends, self.records, self.messages = 0.0, 0.0, [], [], []
         self.ctx = SimpleNamespace(
             plan=plan, budget_clock=SimpleNamespace(spent=lambda: self.spent), state=SimpleNamespace(step=0),
             clock=SimpleNamespace(elapsed=lambda: self.elapsed), backend=SimpleNamespace(slowest=list),
-            control=SimpleNamespace(replan=self.replan),
             logger=SimpleNamespace(log=self.records.append, message=self.messages.append))
         self.guard = TimeBudgetGuard(self.ctx)
         self.guard.start(self.ctx)
@@ -360,7 +360,10 @@ class GuardRun:
         """A step at which the guard is due, and runs."""
         self.step(elapsed, step, spent)
         assert self.guard.due(step, self.ctx.plan.end)
-        self.guard.run(self.ctx)
+        report = self.guard.run(self.ctx)
+        if report is not None:
+            assert report.stop is None and report.measured == {}
+            self.replan(report.plan)
 
 
 def guard_ends(plan: BudgetPlan, *looks: tuple[float, int, float]) -> list[int]:

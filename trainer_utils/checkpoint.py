@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from common.errors import CheckpointError
+from common.errors import CheckpointError, ConfigError, TokenizerError
 from common.files import BEST_NAME, LATEST_NAME, TRAIN_INFO_NAME, write_atomic
 from model.loading import save_model
 
@@ -114,6 +114,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     if not target.is_dir():
         raise CheckpointError(f"{pointer} points at {target}, which does not exist")
     return target
+
+
+def check_resumable(checkpoint_dir: Path, state: dict[str, Any], optimizer: str, tokenizer_sha256: str,
+                    tokenizer: Path) -> None:
+    """Refuse to resume a checkpoint's training `state` with another --optimizer (its state cannot turn into
+    another's mid-run) or another tokenizer."""
+    saved = state.get("config", {}).get("optim", {}).get("optimizer")
+    if saved not in (None, optimizer):  # e.g. a run begun before pretraining's default was Muon
+        raise ConfigError(f"{checkpoint_dir}: trained with --optimizer {saved}, whose state cannot turn into "
+                          f"{optimizer}'s mid-run; resume it with --optimizer {saved}")
+    if state.get("tokenizer_sha256") not in (None, tokenizer_sha256):
+        raise TokenizerError(f"{checkpoint_dir}: trained with another tokenizer (sha256 "
+                             f"{state['tokenizer_sha256'][:12]}), not {tokenizer}")
 
 
 def load_training_state(checkpoint_dir: Path) -> dict[str, Any]:

@@ -88,6 +88,15 @@ class OptimConfig:
         """--time_budget in seconds, None without one (ConfigError for a duration that is not one)."""
         return None if self.time_budget is None else parse_duration(self.time_budget)
 
+    def warmup(self, steps: int) -> int:
+        """The warm-up of a run of `steps` steps: --warmup_steps, or --warmup_ratio of them."""
+        return self.warmup_steps if self.warmup_steps is not None else int(self.warmup_ratio * steps)
+
+    @property
+    def final_lr(self) -> float:
+        """Where the cosine ends: --min_lr, or a tenth of --learning_rate."""
+        return self.min_lr if self.min_lr is not None else self.learning_rate / 10
+
 
 @dataclass
 class PrecisionConfig(DeviceConfig):

@@ -4,13 +4,14 @@ The loop (trainer_utils/loop.py) builds one RunContext per Trainer and hands it 
 `before_loss`) and to every component; the Session builds a SetupContext for the stage's setup hooks
 (`check_session`, `record_tokens`, `objective`), which run before any model exists. What they may read is listed
 here, field by field; what they may do to the run goes through `control` (save a checkpoint, re-plan the end,
-sync the device-side counters); what they report back (the validation and training losses) they write into the
-context, where the loop and the other components read it.
+sync the device-side counters); what they produce (the numbers they measured, a re-planned time budget, a stop)
+they return in a Report, which the loop records: the measurements in the context's `measured`, where the other
+components and the checkpoint read them.
 
 This module is a leaf: it imports nothing of trainer_utils at run time (its type hints name the classes behind
 the fields), so stages and components depend on it and not on the loop or the session. The small records every
 hook passes around live here too: the training state a checkpoint holds (TrainState), a step's micro-batches
-(StepBatches) and results (StepOutcome), and why training stops (Stop).
+(StepBatches) and results (StepOutcome), what a component hands back (Report) and why training stops (Stop).
 """
 from __future__ import annotations
 
@@ -88,6 +89,18 @@ class Stop:
     announce: Callable[[], None] | None = None
 
 
+@dataclass(frozen=True)
+class Report:
+    """What a component's start() or run() hands back to the loop, which records it before the next component
+    runs: the numbers it measured, for the components after it and the checkpoint (RunContext.measured: the last
+    `val_loss`, `train_loss`); a re-planned time budget (the run trains to its end from now on); and a Stop when
+    training ends after this step."""
+
+    measured: dict[str, float | None] = field(default_factory=dict)
+    plan: BudgetPlan | None = None
+    stop: Stop | None = None
+
+
 def every(interval: int, step: int, last: int) -> bool:
     """Whether the step just taken is a multiple of `interval`, or the last one."""
     return step % interval == 0 or step == last
@@ -106,9 +119,6 @@ class LoopControl(Protocol):
 
     def save(self) -> None:
         """Checkpoint this step (collective; a no-op when it is saved already or checkpoints are off)."""
-
-    def replan(self, plan: BudgetPlan) -> None:
-        """Train to a re-planned plan's end, the rest of the schedule laid over the steps up to it."""
 
     def sync_counters(self) -> None:
         """Copy the device-side counters into `state`, `grad_norm` and `bad_in_a_row` (one host sync)."""
@@ -130,8 +140,8 @@ class SetupContext:
 @dataclass(eq=False)
 class RunContext:
     """One Trainer's run as its stage and components see it. The first fields are fixed for the Trainer's life;
-    `state`, `logger`, `clock` and `plan` are replaced by the loop as it goes (read them each time);
-    `val_loss` and `train_loss` are written by the components that measure them."""
+    `state`, `logger`, `clock`, `plan` and `measured` are replaced or updated by the loop as it goes (read them
+    each time)."""
 
     config: TrainConfig
     options: Any  # the stage's own settings (config.objective)
@@ -151,7 +161,6 @@ class RunContext:
     chat: bool  # prompts use the chat template
     train_data: Any  # the training dataset (its records, for a stage's rewards)
     val_sets: list[ValSet]
-    data_sources: list[dict[str, Any]]  # each --data_path file: path, name, weight, training samples
     token_bytes: Callable[[], torch.Tensor | None]  # UTF-8 bytes per token id (None: not a byte-level tokenizer)
     # what the run starts from, and where it is written
     init_dir: Path | None
@@ -175,6 +184,6 @@ class RunContext:
     stage_state: Any = None  # what the stage's prepare() returned
     grad_norm: float = 0.0  # of the last synced step (sync_counters)
     bad_in_a_row: int = 0  # consecutive non-finite steps, as last synced
-    # results: written by the components that measure them
-    val_loss: float | None = None  # of the last evaluation (None: no validation split)
-    train_loss: float | None = None  # of the last logged window
+    # what the components measured (their Reports), as the loop recorded it: "val_loss" of the last evaluation
+    # (None: no validation split), "train_loss" of the last logged window; absent until measured
+    measured: dict[str, float | None] = field(default_factory=dict)

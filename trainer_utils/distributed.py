@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,19 @@ def device_for(env: DistEnv, requested: str) -> torch.device:
         device = torch.device("cuda", env.local_rank if device.index is None else device.index)
         torch.cuda.set_device(device)
     return device
+
+
+def lost_peer(e: RuntimeError, backend: Backend) -> bool:
+    """Whether a collective of a multi-rank run failed because another rank died or hung (gloo and NCCL report
+    it as a RuntimeError); if so, this rank says so on stderr, and how to go on."""
+    peer = isinstance(e, getattr(dist, "DistError", ())) or re.search(
+        r"(?i)connection (closed|reset|refused)|timed? ?out|by peer|nccl|gloo", str(e)) is not None
+    if backend.world_size == 1 or not peer:
+        return False
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    print(f"error: rank {backend.rank} lost contact with the other ranks ({first}); a rank died or hung. "
+          f"Resume with --resume from the last checkpoint.", file=sys.stderr)
+    return True
 
 
 class DistComm(Comm):

@@ -17,11 +17,10 @@ import shutil
 import statistics
 import sys
 import time
-from typing import Any, Callable
 
 import torch
 
-from common.device import synchronize
+from common.device import timed
 from common.errors import ConfigError, PocketLMError, TrainingError
 from model.inference import read_train_info
 
@@ -138,23 +137,16 @@ def measure_costs(trainer: Trainer, budget_s: float, built_s: float) -> Costs:
     trainer.logger = MetricsLogger(s.run_dir, False, 0, 0, {})  # measuring logs nothing
     feeder = StepFeeder(s.train_data, trainer.config.optim.batch_size, trainer.config.optim.accumulation_steps,
                         backend.rank, backend.world_size, 0, trainer.device)
-
-    def timed(work: Callable[[], Any]) -> float:
-        synchronize(trainer.device)
-        t0 = time.perf_counter()
-        work()
-        synchronize(trainer.device)
-        return time.perf_counter() - t0
-
+    step, device = lambda: trainer.optimizer_step(feeder), trainer.device  # noqa: E731
     trainer.model.train()
     try:
-        start_s = built_s + timed(trainer.start_components)
-        first_s = backend.slowest([timed(lambda: trainer.optimizer_step(feeder))])[0]
-        steps = [timed(lambda: trainer.optimizer_step(feeder)) for _ in range(probe_count(first_s, budget_s))]
+        start_s = built_s + timed(trainer.start_components, device)
+        first_s = backend.slowest([timed(step, device)])[0]
+        steps = [timed(step, device) for _ in range(probe_count(first_s, budget_s))]
     finally:
         feeder.close()
-    save_s = timed(trainer.save) if trainer.config.run.checkpoints else 0.0
-    eval_s = timed(trainer.evaluation_round)
+    save_s = timed(trainer.save, device) if trainer.config.run.checkpoints else 0.0
+    eval_s = timed(trainer.evaluation_round, device)
     step_s, eval_s, save_s, start_s = backend.slowest([statistics.median(steps), eval_s, save_s, start_s])
     return Costs(step_s=step_s, first_extra_s=max(0.0, first_s - step_s), eval_s=eval_s, save_s=save_s,
                  timed_steps=len(steps), start_s=start_s)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 from common.config import RESOLVED_KEY, to_dict
 from common.device import dtype_name, precision_policy
-from common.errors import ConfigError, TokenizerError, TrainingError
+from common.errors import ConfigError, TrainingError
 from common.files import TRAIN_CONFIG_NAME, write_atomic
 from model.loading import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, load_state_into, read_state_dict
 from model.lora import load_lora_state_dict, save_lora
@@ -34,16 +33,18 @@ from .budget import (
     BudgetClock,
     BudgetPlan,
 )
-from .checkpoint import load_training_state, new_staging_dir, save_checkpoint, staging_dir
+from .checkpoint import check_resumable, load_training_state, new_staging_dir, save_checkpoint, staging_dir
 from .components import COMPONENTS
-from .context import RunContext, StepBatches, StepOutcome, Stop, TrainState, every
+from .context import Report, StepBatches, StepOutcome, Stop, TrainState, every
 from .data import StepFeeder
+from .distributed import lost_peer
 from .metrics import MetricsLogger, TrainClock
 from .objectives import Batch, Objective
-from .optim import WarmupCosine, build_optimizer, newton_schulz_steps
+from .optim import WarmupCosine, newton_schulz_steps, optimizer_for
 from .routing import RouterBalance
 from .runtime import StopSignal, rng_state, seed_everything, set_rng_state
 from .session import Session
+from .step import Step
 
 OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and more --accumulation_steps "
             "(same effective batch), --grad_checkpointing, or a shorter --max_seq_len. The last checkpoint "
@@ -79,8 +80,7 @@ class Trainer:
     stage_state = OnContext()  # what the stage's prepare() returned
     plan = OnContext()  # a --time_budget run's (trainer_utils/budget.py; a re-plan replaces it); None: steps as given
     budget_clock = OnContext()  # the clock a plan is held to
-    val_loss = OnContext()  # of the last evaluation (the evaluation component writes it)
-    train_loss = OnContext()  # of the last logged window (the log component writes it)
+    measured = OnContext()  # what the components reported (val_loss, train_loss)
     grad_norm = OnContext()
     bad_in_a_row = OnContext()
 
@@ -95,66 +95,39 @@ class Trainer:
         self.model.set_gradient_checkpointing(c.model.grad_checkpointing)
         # wrapped first (DDP, a DeepSpeed engine, or the model itself), the optimizer then built over what the
         # backend trains: the order a sharded backend needs
-        self.wrapped, self.optimizer = self.backend.wrap(self.model, lambda model: build_optimizer(
-            model, o.optimizer, o.learning_rate, o.weight_decay, (o.beta1, o.beta2), o.momentum, self.device,
-            o.adam_eps, o.muon_lr, o.muon_momentum, o.muon_ns_steps))
+        self.wrapped, self.optimizer = self.backend.wrap(self.model, lambda m: optimizer_for(m, o, self.device))
         world = self.backend.world_size
         self.samples_per_step = o.batch_size * o.accumulation_steps * world
         steps_per_epoch = max(1, len(s.train_data) // self.samples_per_step)
         self.step_limit = o.max_steps or o.epochs * steps_per_epoch  # a time budget's plan stays within it
         planned = plan.steps if plan is not None else self.step_limit
-        warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * planned)
-        min_lr = o.min_lr if o.min_lr is not None else o.learning_rate / 10
-        self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, min_lr, warmup, planned)
+        self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, o.final_lr, o.warmup(planned), planned)
         for r in plan.replans if plan is not None else ():  # a resumed budget run's, as they were made
             self.scheduler.replan(r["step"], r["steps"])
         self.objective: Objective = s.objective()
         # a mixture of experts: its routers' balancing losses and load statistics (trainer_utils/routing.py)
         self.router = RouterBalance(self.model.config, self.backend, self.device) if self.model.config.moe else None
-        self.ctx = RunContext(
-            config=c, options=c.objective, control=self, device=self.device, precision=self.precision,
-            backend=self.backend, model=self.model, optimizer=self.optimizer, objective=self.objective,
-            router=self.router, tokenizer=s.tokenizer, max_seq_len=s.max_seq_len, kind=s.kind, chat=s.chat,
-            train_data=s.train_data, val_sets=s.val_sets, data_sources=s.data.sources, token_bytes=s.token_bytes,
-            init_dir=s.init_dir, run_dir=s.run_dir, adapters=s.lora is not None, eval_tasks=s.eval_tasks,
-            samples=s.samples, probes=s.probes, metric_unit=s.stage.metric_unit, memory_rows=s.stage.memory_rows,
-            estimates_memory=s.stage.estimates_memory, plan=plan, budget_clock=budget_clock, state=TrainState(),
-            clock=TrainClock(self.device))
+        self.ctx = s.run_context(self, self.model, self.optimizer, self.objective, self.router, plan, budget_clock)
         self.stage_state = s.stage.prepare(self.ctx)  # what the stage's hooks keep for this run
-        # the parameter through which an empty step's gradients are made NaN (see train_step)
-        self.empty_step_anchor = min((p for p in self.model.parameters() if p.requires_grad), key=torch.numel)
-        # compiled after wrapping, as PyTorch recommends: dynamo then splits the graph at DDP's bucket boundaries,
-        # so gradient all-reduces overlap the backward (a compiled module inside DDP reduces only at the end)
-        self.forward_model = torch.compile(self.wrapped) if c.model.compile else self.wrapped
+        self.step = Step(self.model, self.wrapped, self.objective, self.backend, self.router, c.model.compile)
 
         self.last_saved = -1
         self.fallback: dict[str, Any] | None = None  # set when fit() ends for a precision fallback
         # Running totals live on the device and are read once per log interval (no host sync per step).
         zero = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
         self.counters = {"tokens_seen": zero(), "skipped": zero(), "bad_in_a_row": zero(), "grad_norm": zero()}
-        self.step_metrics: dict[str, torch.Tensor] = {}
         self.components = [component(self.ctx) for component in COMPONENTS]
         if s.resume_from is not None:  # after wrap: a DeepSpeed engine restores into itself
             self._restore(s.resume_from)
 
-        cfg = self.model.config
-        self.resolved = {"stage": s.stage.name, "run_dir": str(s.run_dir), "device": str(self.device),
-                         "dtype": dtype_name(self.precision.dtype), "precision": s.precision_reason,
-                         "world_size": world, "backend": self.backend.name, "total_steps": self.total_steps,
-                         "steps_per_epoch": steps_per_epoch, "samples_per_step": self.samples_per_step,
-                         "tokens_per_step": self.samples_per_step * s.max_seq_len, "max_seq_len": s.max_seq_len,
-                         "warmup_steps": warmup, "min_lr": min_lr, "train_samples": len(s.train_data),
-                         "val_samples": sum(len(v.data) for v in s.val_sets),
-                         "tokenizer": str(s.tokenizer.path), "tokenizer_sha256": s.tokenizer.sha256,
-                         "model": cfg.to_dict(), "parameters": cfg.num_parameters()}
+        derived = {"total_steps": self.total_steps, "steps_per_epoch": steps_per_epoch,
+                   "samples_per_step": self.samples_per_step, "tokens_per_step": self.samples_per_step * s.max_seq_len,
+                   "warmup_steps": self.scheduler.warmup, "min_lr": self.scheduler.min_lr}
         if o.optimizer == "muon":
-            self.resolved["newton_schulz_dtype"] = dtype_name(precision_policy(self.device).optimizer)
+            derived["newton_schulz_dtype"] = dtype_name(precision_policy(self.device).optimizer)
             # what the optimizer runs (the policy's count or --muon_ns_steps; a resumed run's own, once restored)
-            self.resolved["newton_schulz_steps"] = newton_schulz_steps(self.optimizer)
-        if len(s.data.sources) > 1:
-            self.resolved["data_mixture"] = s.data.sources
-        if s.fallbacks:
-            self.resolved["precision_fallback"] = s.fallbacks
+            derived["newton_schulz_steps"] = newton_schulz_steps(self.optimizer)
+        self.resolved = s.describe(self.model.config, derived)
         for component in self.components:
             self.resolved.update(component.describe())
 
@@ -168,27 +141,27 @@ class Trainer:
         """The learning rate of the step just taken."""
         return self.scheduler.lr
 
-    def replan(self, plan: BudgetPlan) -> None:
-        """Train to a re-planned plan's end instead, the rest of the schedule laid over the steps up to it."""
-        self.plan = plan
-        self.scheduler.replan(self.state.step, plan.end)
-        if self.logger is not None:
-            self.logger.set_total(plan.end)
+    def record(self, report: Report | None) -> Stop | None:
+        """Take in what a component produced: its measurements, a re-planned time budget (trained to its end
+        instead, the rest of the schedule laid over the steps up to it); returns its Stop, if any."""
+        if report is None:
+            return None
+        self.measured.update(report.measured)
+        if report.plan is not None:
+            self.plan = report.plan
+            self.scheduler.replan(self.state.step, report.plan.end)
+            if self.logger is not None:
+                self.logger.set_total(report.plan.end)
+        return report.stop
 
     # ------------------------------------------------------------------------- state
     def _restore(self, ckpt: Path) -> None:
-        state = load_training_state(ckpt)
-        saved = state.get("config", {}).get("optim", {}).get("optimizer")
-        if saved not in (None, self.config.optim.optimizer):  # e.g. a run begun before pretraining's default was Muon
-            raise ConfigError(f"{ckpt}: trained with --optimizer {saved}, whose state cannot turn into "
-                              f"{self.config.optim.optimizer}'s mid-run; resume it with --optimizer {saved}")
+        state, tokenizer = load_training_state(ckpt), self.session.tokenizer
+        check_resumable(ckpt, state, self.config.optim.optimizer, tokenizer.sha256, tokenizer.path)
         if self.session.lora is not None:  # the base is already in place (build_model), checked against its hash
             load_lora_state_dict(self.model, read_state_dict(ckpt / ADAPTER_WEIGHTS_NAME), str(ckpt))
         else:
             load_state_into(self.model, read_state_dict(ckpt / WEIGHTS_NAME), str(ckpt))
-        if state.get("tokenizer_sha256") not in (None, self.session.tokenizer.sha256):
-            raise TokenizerError(f"{ckpt}: trained with another tokenizer (sha256 {state['tokenizer_sha256'][:12]}"
-                                 f"), not {self.session.tokenizer.path}")
         self.backend.restore_state(ckpt, state)
         given, restored = self.config.optim.muon_ns_steps, newton_schulz_steps(self.optimizer)
         if given is not None and restored is not None and given != restored:  # the restored group's count runs
@@ -235,12 +208,7 @@ class Trainer:
                      "rng": rng_state(), "world_size": backend.world_size, "tokenizer_sha256": s.tokenizer.sha256,
                      "config": to_dict(self.config, s.stage),
                      **{c.name: c.state_dict() for c in self.components if c.name}}
-            # how the checkpoint is prompted, and which stage trained it
-            info = {"prompt_format": "chat" if s.chat else "text", "method": s.stage.name,
-                    "tokens_seen": self.state.tokens_seen, "val_loss": self.val_loss,
-                    "dtype": dtype_name(self.precision.dtype)}
-            if s.fallbacks:
-                info["precision_fallback"] = s.fallbacks
+            info = s.train_info(self.state.tokens_seen, self.measured.get("val_loss"))
             if self.plan is not None:  # a budget run's plan, and the budget spent so far: what --resume continues
                 info[PLAN_KEY] = dataclasses.replace(self.plan, used_s=round(self.budget_clock.spent(), 3)).to_dict()
             write = None if s.lora is None else lambda d: save_lora(self.model, d, s.lora, s.base_ref, s.tokenizer.path)
@@ -287,11 +255,8 @@ class Trainer:
                                         f"{signal.received} received: stopped at step {self.state.step} "
                                         "(--no-checkpoints: nothing to resume from)")
         except RuntimeError as e:
-            if backend.world_size == 1 or not is_peer_failure(e):
+            if not lost_peer(e, backend):
                 raise
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            print(f"error: rank {backend.rank} lost contact with the other ranks ({first}); a rank died or hung. "
-                  f"Resume with --resume from the last checkpoint.", file=sys.stderr)
             exit_code = 1
         finally:
             feeder.close()
@@ -305,7 +270,7 @@ class Trainer:
         for component in self.components:
             if component.due(step, self.total_steps):
                 with self.clock.pause() if component.pauses_clock else contextlib.nullcontext():
-                    stop = component.run(self.ctx)
+                    stop = self.record(component.run(self.ctx))
                 if stop is not None:
                     break
         if stop.save if stop is not None else every(self.config.run.save_interval, step, self.total_steps):
@@ -331,14 +296,14 @@ class Trainer:
     def start_components(self) -> None:
         """What the components do before the first step (an --init_from model's baseline evaluation)."""
         for component in self.components:
-            component.start(self.ctx)
+            self.record(component.start(self.ctx))
 
     def evaluation_round(self) -> None:
         """The components that pause the training clock, as the last step runs them: every one of them due."""
         step = self.state.step
         for component in self.components:
             if component.pauses_clock and component.due(step, step):
-                component.run(self.ctx)
+                self.record(component.run(self.ctx))
 
     def optimizer_step(self, feeder: StepFeeder) -> None:
         """One optimizer step on the next micro-batches, with the device-side counters updated."""
@@ -371,41 +336,10 @@ class Trainer:
         c["skipped"] += 1 - ok
         c["bad_in_a_row"] = (c["bad_in_a_row"] + 1) * (1 - ok)
         c["grad_norm"] = grad_norm.double()
-        outcome = StepOutcome(loss_sum, {**self.step_metrics, **prepared.metrics}, applied, n_local, n_input, wait)
+        outcome = StepOutcome(loss_sum, {**self.step.metrics, **prepared.metrics}, applied, n_local, n_input, wait)
         for component in self.components:
             component.after_step(self.ctx, outcome)
 
     def train_step(self, micro: list[Batch], n_valid: torch.Tensor) -> torch.Tensor:
-        """Forward/backward every micro-batch, then one optimizer step; returns the summed loss (the objective's
-        metrics, summed too, are left in self.step_metrics). A mixture of experts adds its routers' losses,
-        normalised over the step's input tokens (self.router.start_step), and logged apart from the loss.
-
-        Gradients are of sum(unit losses) / n_valid. A step with no target anywhere (n_valid == 0) has
-        nothing to learn from, yet an optimizer step would still apply weight decay and momentum. Its gradients
-        are made NaN instead (through the smallest trainable parameter: free when the step is not empty), so
-        every backend skips it like any other non-finite step, with no host sync to decide.
-        """
-        world = self.backend.world_size
-        loss_sum = torch.zeros((), device=self.device)
-        self.step_metrics = {}
-        scale = world / n_valid.clamp(min=1)  # backends average gradients over ranks; * world: sum / n_valid
-        poison = torch.where(n_valid > 0, 0.0, float("nan"))
-        for i, batch in enumerate(micro):
-            last = i == len(micro) - 1
-            with contextlib.nullcontext() if last else self.backend.no_sync(self.wrapped):
-                out = self.objective(self.forward_model, batch, self.precision.autocast)
-                loss = out.loss * scale + (poison * self.empty_step_anchor.sum() if last else 0.0)
-                if out.router is not None:
-                    loss = loss + self.router.loss(out.router)
-                self.backend.backward(loss)
-            loss_sum += out.loss.detach()
-            for k, v in out.metrics.items():
-                self.step_metrics[k] = self.step_metrics.get(k, 0.0) + v.detach().double()
-        return loss_sum
-
-
-def is_peer_failure(e: RuntimeError) -> bool:
-    """Whether a collective failed because another rank died or hung (gloo/NCCL report it as RuntimeError)."""
-    if isinstance(e, getattr(torch.distributed, "DistError", ())):
-        return True
-    return re.search(r"(?i)connection (closed|reset|refused)|timed? ?out|by peer|nccl|gloo", str(e)) is not None
+        """Forward and backward over the step's micro-batches (trainer_utils/step.py); returns the summed loss."""
+        return self.step.backward(micro, n_valid)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -10,6 +10,9 @@ from common.device import precision_policy
 from common.errors import ConfigError
 
 from .muon import Muon
+
+if TYPE_CHECKING:
+    from .config import OptimConfig
 
 OPTIMIZERS = ("adamw", "muon", "sgd")
 
@@ -119,6 +122,12 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
         return MuonWithAdamW(muon_groups, adamw_groups, momentum=muon_momentum, betas=betas, eps=eps, fused=fused,
                              ns_dtype=policy.optimizer)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
+
+
+def optimizer_for(model: torch.nn.Module, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """build_optimizer with a run's optimization settings (--optimizer, its learning rates and hyperparameters)."""
+    return build_optimizer(model, o.optimizer, o.learning_rate, o.weight_decay, (o.beta1, o.beta2), o.momentum,
+                           device, o.adam_eps, o.muon_lr, o.muon_momentum, o.muon_ns_steps)
 
 
 class WarmupCosine:

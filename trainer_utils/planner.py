@@ -16,23 +16,26 @@ import json
 import math
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from common.device import NEWTON_SCHULZ_STEPS, choose_dtype, dtype_name, parse_device, precision_policy, synchronize
+from common.device import NEWTON_SCHULZ_STEPS, choose_dtype, dtype_name, parse_device, precision_policy, timed
 from common.errors import ConfigError, DataError
 from model import PocketLM
 from model.config import PRESETS, get_preset
 from model.memory import estimate_memory
 
+from .backend import Comm, TorchBackend
 from .budget import format_duration
+from .config import OptimConfig
 from .metrics import flops_per_token
-from .optim import build_optimizer, is_hidden_matrix
+from .objectives import LanguageModeling
+from .optim import is_hidden_matrix, optimizer_for
+from .routing import RouterBalance
 from .runtime import Precision
+from .step import Step
 
 TOKENS_PER_PARAMETER = 20
 MAX_EPOCHS = 4
@@ -118,23 +121,6 @@ def data_tokens(path: Path, tokenizer_dir: Path | None = None) -> int:
     return round(size * n_tokens / n_bytes)
 
 
-def backward(model: PocketLM, precision: Precision, x: torch.Tensor) -> None:
-    """A pretraining step's forward and backward on `x`, as the loop takes them: autocast forward, fp32 loss."""
-    with precision.autocast():
-        logits = model(x)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), x.roll(-1, 1).flatten())
-    precision.scaler.scale(loss).backward()
-
-
-def update(model: PocketLM, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
-    """A step's update: unscale, clip, the optimizer, and clearing the gradients."""
-    precision.scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    precision.scaler.step(optimizer)
-    precision.scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-
-
 @dataclass
 class StepTime:
     """A timed step: seconds of its forward and backward (which grow with the batch) and of its update (which
@@ -151,31 +137,56 @@ class StepTime:
 
 def time_steps(cfg, device: torch.device, precision: Precision, batch: int, seq_len: int,
                min_seconds: float) -> StepTime:
-    """A steady step's parts (after a warm-up step; timed until min_seconds and at least 2 steps; the median)."""
-    model = PocketLM(cfg).to(device)
-    optimizer = build_optimizer(model, OPTIMIZER, 1e-3, 0.1, (0.9, 0.95), 0.9, device)
-    x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
-
-    def clock() -> float:
-        synchronize(device)
-        return time.perf_counter()
-
-    backward(model, precision, x)  # warm-up: allocation, kernel choice, the optimizer's state
-    update(model, optimizer, precision)
+    """A steady step's parts, as pretraining takes them: the loop's forward and backward (trainer_utils/step.py)
+    of the next-token loss on random tokens of the whole vocabulary, then the single-process backend's update
+    (clipping, the optimizer, clearing the gradients) with pretraining's optimizer at its default settings. After
+    a warm-up step; timed until min_seconds and at least 2 steps; the median."""
+    step = pretraining_step(cfg, device, precision, batch, seq_len)
+    step()  # warm-up: allocation, kernel choice, the optimizer's state
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     parts: list[tuple[float, float]] = []
     while len(parts) < 2 or sum(map(sum, parts)) < min_seconds:
-        t0 = clock()
-        backward(model, precision, x)
-        t1 = clock()
-        update(model, optimizer, precision)
-        parts.append((t1 - t0, clock() - t1))
+        parts.append((timed(step.backward, device), timed(step.update, device)))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    del model, optimizer, x  # before the next preset is built
+    del step  # its model and optimizer, before the next preset is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return StepTime(statistics.median(b for b, _ in parts), statistics.median(u for _, u in parts), peak)
+
+
+@dataclass
+class PretrainingStep:
+    """A pretraining step of a new model on one batch: `backward()` then `update()`, as the loop takes them."""
+
+    step: Step
+    backend: TorchBackend
+    micro: list[tuple[torch.Tensor, torch.Tensor]]
+    n_valid: torch.Tensor
+
+    def backward(self) -> None:
+        if self.step.router is not None:  # as the loop does before each step: the step's input tokens
+            self.step.router.start_step(self.n_valid)
+        self.step.backward(self.micro, self.n_valid)
+
+    def update(self) -> None:
+        self.backend.step()
+
+    def __call__(self) -> None:
+        self.backward()
+        self.update()
+
+
+def pretraining_step(cfg, device: torch.device, precision: Precision, batch: int, seq_len: int) -> PretrainingStep:
+    """A new model of `cfg` on `device`, pretraining's optimizer at its defaults, and a batch of random tokens."""
+    model = PocketLM(cfg).to(device)
+    optim = OptimConfig(optimizer=OPTIMIZER)
+    backend = TorchBackend(Comm(), device, precision, optim.grad_clip)
+    wrapped, _ = backend.wrap(model, lambda m: optimizer_for(m, optim, device))
+    router = RouterBalance(cfg, backend, device) if cfg.moe else None
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+    return PretrainingStep(Step(model, wrapped, LanguageModeling(), backend, router), backend, [(x, x.roll(-1, 1))],
+                           torch.tensor(float(x.numel()), device=device))
 
 
 def newton_schulz_flops(cfg, steps: int = NEWTON_SCHULZ_STEPS) -> float:

@@ -30,11 +30,14 @@ from model.loading import WEIGHTS_NAME, is_lora_dir, load_state_into, read_state
 from model.lora import LoraSpec, apply_lora, base_reference, load_lora_model, read_lora_config
 
 from .backend import Backend
+from .budget import BudgetClock, BudgetPlan
 from .checkpoint import latest_checkpoint
 from .config import NEW_MODEL_FLAGS, ModelOptions, TrainConfig
-from .context import SetupContext
+from .context import LoopControl, RunContext, SetupContext, TrainState
 from .distributed import detect_env, device_for, make_backend
+from .metrics import TrainClock
 from .objectives import Objective
+from .routing import RouterBalance
 from .runtime import Precision, seed_everything, wider_dtype
 from .stages import Stage, get_stage
 
@@ -128,10 +131,50 @@ class Session:
                               f"{config.data.val_fraction}; early stopping needs some (raise --val_fraction)")
         self.backend: Backend = make_backend(config, self.env, self.device, self.precision)
 
+    def describe(self, model_config: ModelConfig, derived: dict[str, Any]) -> dict[str, Any]:
+        """The run header and train_config.json's "resolved": what this session settled on, the model, and what
+        the Trainer `derived` (its steps, batch and schedule), in that order."""
+        world = self.backend.world_size
+        header = {"stage": self.stage.name, "run_dir": str(self.run_dir), "device": str(self.device),
+                  "dtype": dtype_name(self.precision.dtype), "precision": self.precision_reason,
+                  "world_size": world, "backend": self.backend.name, **derived,
+                  "max_seq_len": self.max_seq_len, "train_samples": len(self.train_data),
+                  "val_samples": sum(len(v.data) for v in self.val_sets),
+                  "tokenizer": str(self.tokenizer.path), "tokenizer_sha256": self.tokenizer.sha256,
+                  "model": model_config.to_dict(), "parameters": model_config.num_parameters()}
+        if len(self.data.sources) > 1:
+            header["data_mixture"] = self.data.sources
+        if self.fallbacks:
+            header["precision_fallback"] = self.fallbacks
+        return header
+
     def setup_context(self) -> SetupContext:
         """What the stage's setup hooks see of this session (trainer_utils/context.py)."""
         return SetupContext(self.config.objective, self.tokenizer, self.max_seq_len, self.init_dir, self.resume_from,
                             self.device)
+
+    def run_context(self, control: LoopControl, model: PocketLM, optimizer: torch.optim.Optimizer,
+                    objective: Objective, router: RouterBalance | None, plan: BudgetPlan | None,
+                    budget_clock: BudgetClock | None) -> RunContext:
+        """What the stage's hooks and the components see of a Trainer's run (trainer_utils/context.py): this
+        session's settled facts, and what the Trainer built."""
+        return RunContext(
+            config=self.config, options=self.config.objective, control=control, device=self.device,
+            precision=self.precision, backend=self.backend, model=model, optimizer=optimizer, objective=objective,
+            router=router, tokenizer=self.tokenizer, max_seq_len=self.max_seq_len, kind=self.kind, chat=self.chat,
+            train_data=self.train_data, val_sets=self.val_sets, token_bytes=self.token_bytes, init_dir=self.init_dir,
+            run_dir=self.run_dir, adapters=self.lora is not None, eval_tasks=self.eval_tasks, samples=self.samples,
+            probes=self.probes, metric_unit=self.stage.metric_unit, memory_rows=self.stage.memory_rows,
+            estimates_memory=self.stage.estimates_memory, plan=plan, budget_clock=budget_clock, state=TrainState(),
+            clock=TrainClock(self.device))
+
+    def train_info(self, tokens_seen: int, val_loss: float | None) -> dict[str, Any]:
+        """A checkpoint's train_info.json: how it is prompted, which stage trained it and how far, its precision."""
+        info = {"prompt_format": "chat" if self.chat else "text", "method": self.stage.name,
+                "tokens_seen": tokens_seen, "val_loss": val_loss, "dtype": dtype_name(self.precision.dtype)}
+        if self.fallbacks:
+            info["precision_fallback"] = self.fallbacks
+        return info
 
     def objective(self) -> Objective:
         """What this stage minimises, with its frozen helpers on the device."""

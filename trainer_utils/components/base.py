@@ -3,20 +3,21 @@
 The loop calls, for every component in order:
     Component(ctx)                     built with the run's context, before a resumed state is restored
     describe()                         once: what it adds to the run header and train_config.json's "resolved"
-    start(ctx)                         once, when fit() begins (the logger exists)
+    start(ctx) -> Report | None        once, when fit() begins (the logger exists)
     wrap_step(ctx, step) -> step       around each optimizer step (e.g. to measure its memory)
     after_step(ctx, outcome)           after each optimizer step: its device-side results, no host sync
-    due(step, last) / run(ctx)         when due: its work; a Stop ends training
+    due(step, last) / run(ctx)         when due: its work, and a Report of what it produced (None: nothing)
     state_dict() / load_state_dict(s)  saved in each checkpoint under `name`, restored on resume
 A component sees the run through its RunContext only (trainer_utils/context.py: the settings, model, data,
-backend, logger, state; the loop's save/replan through ctx.control; it writes what it measures, val_loss and
-train_loss, there); adding one is its own module plus a line in COMPONENTS.
+backend, logger, state, what the components before it measured; a checkpoint through ctx.control). What it
+produces it returns: the numbers it measured (the loop records them in ctx.measured), a re-planned time budget,
+or a Stop. Adding one is its own module plus a line in COMPONENTS.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, ClassVar
 
-from ..context import RunContext, StepOutcome, Stop
+from ..context import Report, RunContext, StepOutcome
 
 
 class Component:
@@ -28,8 +29,8 @@ class Component:
     def describe(self) -> dict[str, Any]:
         return {}
 
-    def start(self, ctx: RunContext) -> None:
-        pass
+    def start(self, ctx: RunContext) -> Report | None:
+        return None
 
     def wrap_step(self, ctx: RunContext, step: Callable[[], None]) -> Callable[[], None]:
         return step
@@ -40,7 +41,7 @@ class Component:
     def due(self, step: int, last: int) -> bool:
         return False
 
-    def run(self, ctx: RunContext) -> Stop | None:
+    def run(self, ctx: RunContext) -> Report | None:
         return None
 
     def state_dict(self) -> dict[str, Any]:

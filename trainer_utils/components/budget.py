@@ -3,7 +3,7 @@ the end is projected from the measured step time (run() says which); when it lea
 (the machine slowed down, or runs faster than the probe measured) the rest of the run is re-planned, the schedule
 laid over the new number of steps, and the change logged. A re-plan that leaves no step ends the run at once,
 with its evaluation and checkpoint. Ranks decide from the same numbers, the slowest rank's. A re-plan is a new plan
-that records it (BudgetPlan.replanned), handed to the loop; every checkpoint carries the plan (loop.py
+that records it (BudgetPlan.replanned), returned to the loop; every checkpoint carries the plan (loop.py
 Trainer.save), and a resumed Trainer starts from it.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..budget import PLAN_KEY, format_duration, projected, replan
-from ..context import RunContext, StepOutcome
+from ..context import Report, RunContext, StepOutcome
 from .base import Component
 
 WINDOW_SHARE = 0.05  # the recent step time is measured over about this share of the budget
@@ -41,7 +41,7 @@ class TimeBudgetGuard(Component):
         """The newest mark at least `seconds` of training back (or the oldest there is)."""
         return next((m for m in reversed(self.marks) if now - m[0] >= seconds), self.marks[0])
 
-    def run(self, ctx: RunContext) -> None:
+    def run(self, ctx: RunContext) -> Report | None:
         """Two step times: the run's since its first step, which keeps the run within [LOW, HIGH] (a chat batch's
         step varies with its longest conversation, and batches grouped by length make whole stretches of the run
         faster or slower: only the run's own average is steady), and a recent one over WINDOW_SHARE of the budget.
@@ -59,22 +59,22 @@ class TimeBudgetGuard(Component):
         if recent_s > SLOWER * steady_s and projected(plan, step, spent, recent_s) > plan.budget_s:
             step_s = cautious  # a slow-down: act now
         elif measured < window:
-            return  # too few steps yet for the steady time to overrule the probe's
+            return None  # too few steps yet for the steady time to overrule the probe's
         else:
             step_s = steady_s
         end = replan(plan, step, spent, step_s)
         if end is not None and end > plan.end and step_s < cautious:
             step_s, end = cautious, replan(plan, step, spent, cautious)
             if end is None or end <= plan.end:
-                return
+                return None
         if end is None:
-            return
+            return None
         before = plan.end
         why = (f"steps take {step_s:.3g} s (planned {plan.step_s:.3g} s) with {format_duration(spent)} of "
                f"{format_duration(plan.budget_s)} spent")
-        ctx.control.replan(plan.replanned(step, end, step_s, spent))
         ctx.logger.log({"step": step, "event": "time_budget", "planned_steps": before, "steps": end,
-                            "step_time_s": round(step_s, 6), "spent_s": round(spent, 3)})
+                        "step_time_s": round(step_s, 6), "spent_s": round(spent, 3)})
         what = (f"ending at step {end} instead of {before}, the learning-rate decay completing there" if end > step
                 else f"stopping now, at step {step} of {before}")
         ctx.logger.message(f"time budget: {why}: {what}")
+        return Report(plan=plan.replanned(step, end, step_s, spent))

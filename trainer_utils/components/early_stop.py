@@ -10,7 +10,7 @@ from typing import Any
 from common.files import BEST_NAME
 
 from ..checkpoint import checkpoint_dir, mark_best
-from ..context import RunContext, Stop, every
+from ..context import Report, RunContext, Stop, every
 from .base import Component
 
 
@@ -33,8 +33,9 @@ class EarlyStopping(Component):
     def due(self, step: int, last: int) -> bool:
         return self.on and every(self.interval, step, last)
 
-    def run(self, ctx: RunContext) -> Stop | None:
-        val_loss, b, step = ctx.val_loss, self.best, ctx.state.step
+    def run(self, ctx: RunContext) -> Report | None:
+        val_loss, train_loss = ctx.measured.get("val_loss"), ctx.measured.get("train_loss")
+        b, step = self.best, ctx.state.step
         if val_loss is None:
             return None
         if b["val_loss"] is None or val_loss < b["val_loss"]:
@@ -48,15 +49,17 @@ class EarlyStopping(Component):
         if self.patience is not None and b["evals_since"] >= self.patience:
             reason = (f"the validation loss has not improved for {b['evals_since']} evaluations "
                       f"(--early_stop_patience {self.patience})")
-        gap = None if ctx.train_loss is None else val_loss - ctx.train_loss
+        gap = None if train_loss is None else val_loss - train_loss
         if reason is None and self.overfit_gap is not None and gap is not None and gap > self.overfit_gap:
-            reason = (f"the validation loss {val_loss:.4f} exceeds the training loss {ctx.train_loss:.4f} by "
+            reason = (f"the validation loss {val_loss:.4f} exceeds the training loss {train_loss:.4f} by "
                       f"{gap:.4f} (--overfit_gap {self.overfit_gap})")
-        return None if reason is None else Stop(reason, save=True, announce=lambda: self.report(ctx, reason))
+        if reason is None:
+            return None
+        return Report(stop=Stop(reason, save=True, announce=lambda: self.announce(ctx, reason)))
 
-    def report(self, ctx: RunContext, reason: str) -> None:
+    def announce(self, ctx: RunContext, reason: str) -> None:
         b, step, run_dir = self.best, ctx.state.step, ctx.run_dir
         ctx.logger.log({"step": step, "event": "early_stop", "reason": reason, "best_step": b["step"],
-                            "best_val_loss": b["val_loss"]})
+                        "best_val_loss": b["val_loss"]})
         ctx.logger.message(f"early stop after step {step}: {reason}. Best: step {b['step']} (val_loss "
-                               f"{b['val_loss']:.4f}), {run_dir / BEST_NAME}; last: {run_dir / 'latest'}")
+                           f"{b['val_loss']:.4f}), {run_dir / BEST_NAME}; last: {run_dir / 'latest'}")

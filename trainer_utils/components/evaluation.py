@@ -7,7 +7,7 @@ scored whole and never trained on, weighs nothing in it): continued pretraining 
 text shows both sides, learning and forgetting. A run that starts from trained weights
 (--init_from) is evaluated once before its first step too (a per-token loss: not DPO's, which starts at ln 2 by
 construction), so its step-0 numbers are the start model's. For a per-token loss with a byte-level tokenizer,
-"bpb" is the loss in bits per UTF-8 byte of the targets. The last val_loss is left in ctx.val_loss (None when no
+"bpb" is the loss in bits per UTF-8 byte of the targets. The mixed val_loss is reported to the loop (None when no
 file has a validation split) for early stopping and the checkpoint's train_info.json.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..context import RunContext, every
+from ..context import Report, RunContext, every
 from ..data import eval_batches
 from ..objectives import target_bytes
 from .base import Component
@@ -37,11 +37,12 @@ class Evaluation(Component):
     def due(self, step: int, last: int) -> bool:
         return every(self.interval, step, last)
 
-    def start(self, ctx: RunContext) -> None:
+    def start(self, ctx: RunContext) -> Report | None:
         # the baseline of what training changes; not for a per-pair loss (DPO), whose start is ln 2 by construction
         if ctx.init_dir is not None and ctx.state.step == 0 and ctx.objective.unit == "tokens":
             with ctx.clock.pause():
-                self.run(ctx)
+                return self.run(ctx)
+        return None
 
     @torch.no_grad()
     def evaluate(self, ctx: RunContext) -> dict[str, dict[str, float]]:
@@ -73,18 +74,17 @@ class Evaluation(Component):
                     results[v.name]["bpb"] = loss / math.log(2) / n_bytes
         return results
 
-    def run(self, ctx: RunContext) -> None:
+    def run(self, ctx: RunContext) -> Report:
         results = self.evaluate(ctx)
         if not results:
-            ctx.val_loss = None
-            return
+            return Report({"val_loss": None})
         step = ctx.state.step
         weights = {v.name: v.weight for v in ctx.val_sets if v.name in results}
         if not any(weights.values()):  # only --eval_data_path files were scored: their plain mean
             weights = dict.fromkeys(weights, 1.0)
         mixed = {key: sum(weights[k] * r[key] for k, r in results.items()) / sum(weights.values())
                  for key in next(iter(results.values())) if all(key in r for r in results.values())}
-        val_loss = ctx.val_loss = mixed["loss"]
+        val_loss = mixed["loss"]
         record = {"step": step, "val_loss": round(val_loss, 5),
                   **{f"val_{k}": round(v, 5) for k, v in mixed.items() if k != "loss"}}
         if ctx.objective.unit == "tokens":  # a perplexity is per token; DPO's loss is per pair
@@ -104,4 +104,5 @@ class Evaluation(Component):
         extra = "".join(f", {k} {v:.4f}" + (f" ({', '.join(each_bpb)})" if k == "bpb" and each_bpb else "")
                         for k, v in mixed.items() if k != "loss")
         ctx.logger.message(f"step {step}: val_loss {val_loss:.4f}" + (f" ({', '.join(notes)})" if notes else "")
-                               + extra)
+                           + extra)
+        return Report({"val_loss": val_loss})

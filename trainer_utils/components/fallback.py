@@ -13,7 +13,7 @@ import torch
 from common.device import dtype_name
 
 from ..checkpoint import latest_checkpoint
-from ..context import RunContext, Stop, every
+from ..context import Report, RunContext, Stop, every
 from ..runtime import fallback_dtype
 from .base import Component
 
@@ -27,12 +27,12 @@ class NonfiniteGuard(Component):
     def due(self, step: int, last: int) -> bool:
         return every(self.interval, step, last)
 
-    def run(self, ctx: RunContext) -> Stop | None:
+    def run(self, ctx: RunContext) -> Report | None:
         trouble = self.trouble(ctx)
         if trouble is None:
             return None
         event = self.plan(ctx, trouble)
-        return Stop(trouble, save=False, exit_code=0 if event else 1, fallback=event)
+        return Report(stop=Stop(trouble, save=False, exit_code=0 if event else 1, fallback=event))
 
     def trouble(self, ctx: RunContext) -> str | None:
         """Why training cannot go on in this precision, or None."""

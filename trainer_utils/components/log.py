@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..context import RunContext, StepOutcome, every
+from ..context import Report, RunContext, StepOutcome, every
 from ..metrics import flops_per_token, peak_flops
 from .base import Component
 
@@ -47,7 +47,7 @@ class TrainLog(Component):
     def due(self, step: int, last: int) -> bool:
         return every(self.interval, step, last)
 
-    def run(self, ctx: RunContext) -> None:
+    def run(self, ctx: RunContext) -> Report:
         elapsed = time.perf_counter() - self.t0
         tokens = torch.tensor(float(self.tokens), device=self.device, dtype=torch.float64)
         names = sorted(self.metrics)
@@ -75,5 +75,5 @@ class TrainLog(Component):
         else:
             record["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
         ctx.logger.log(record, bar_fields=("loss", "lr", "tokens_per_s"))
-        ctx.train_loss = record["loss"]
         self._new_window()
+        return Report({"train_loss": record["loss"]})
