@@ -187,16 +187,17 @@ PLAN_EQUIVALENT = (
     Equivalent("make_plan", ("budget_s=budget_s, steps=1,", "budget_s=budget_s, steps=None,"),
                "the steps are set from plan.fit on the next line; nothing reads them before (fit and time_for do "
                "not)"),
-    Equivalent("replan", ("at <= LOW * plan.budget_s and", "at < LOW / plan.budget_s", "end > plan.limit"),
+    Equivalent("replanned_end", ("at <= LOW * plan.budget_s and", "at < LOW / plan.budget_s", "end > plan.limit"),
                "the clause only saves a search: an early end already at the limit fits, so fit finds the limit "
                "again and new_end == end keeps the plan (an end exactly at LOW is kept by the band's own test)"),
 )
 GUARD_EQUIVALENT = (
     Equivalent("TimeBudgetGuard.run", ("end >= plan.end and", "end is None or end < plan.end"),
-               "replan returns None rather than the plan's own end: an end it returns is never equal to plan.end"),
+               "replanned_end returns None rather than the plan's own end: an end it returns is never equal to "
+               "plan.end"),
     Equivalent("TimeBudgetGuard.run", ("step_s <= cautious",),
-               "when the step time is already the cautious one, planning again with it gives the same end (replan "
-               "is pure), which passes the same checks"),
+               "when the step time is already the cautious one, planning again with it gives the same end "
+               "(replanned_end is pure), which passes the same checks"),
 )
 INGEST_EQUIVALENT = (
     Equivalent("_pieces", ("len(sentences) > 1 or max(", "len(sentences) >= 1 and max("),

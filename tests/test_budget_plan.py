@@ -13,7 +13,15 @@ import pytest
 
 from common.errors import ConfigError, TrainingError
 from trainer_utils import budget as budget_mod
-from trainer_utils.budget import BudgetClock, BudgetPlan, Costs, format_duration, make_plan, parse_duration, replan
+from trainer_utils.budget import (
+    BudgetClock,
+    BudgetPlan,
+    Costs,
+    format_duration,
+    make_plan,
+    parse_duration,
+    replanned_end,
+)
 
 
 # ------------------------------------------------------------------------ durations
@@ -194,13 +202,13 @@ def steady_plan(limit: int = 2000) -> BudgetPlan:
     (125.0, None),  # at 995 s: HIGH, inside
     (125.5, 944)])  # at 995.5 s: shorter, 844.5 s of steps after step 100
 def test_a_replan_keeps_an_end_on_the_bands_edges_and_moves_one_just_outside(spent, new):
-    assert replan(steady_plan(), 100, spent, 1.0) == new
+    assert replanned_end(steady_plan(), 100, spent, 1.0) == new
 
 
 def test_a_plan_at_its_limit_that_overruns_is_still_replanned_shorter():
     """--max_steps 970 leaves no room to plan longer, but an end at 1000 s must still come in: 840 steps after
     step 100 end by 970 s."""
-    assert replan(steady_plan(limit=970), 100, 130.0, 1.0) == 940
+    assert replanned_end(steady_plan(limit=970), 100, 130.0, 1.0) == 940
 
 
 # ------------------------------------------------------------------------ the process's age, the clock, the probe

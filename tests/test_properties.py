@@ -24,7 +24,17 @@ from common.tool_calls import parse_reply
 from common.tools import BUNDLED, ToolCall, ToolError, calculator, run_tool
 from dataset.ingest.split import split_document
 from dataset.tokenizer import chat_turns
-from trainer_utils.budget import HIGH, LOW, TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
+from trainer_utils.budget import (
+    HIGH,
+    LOW,
+    TARGET,
+    BudgetPlan,
+    Costs,
+    count_due,
+    make_plan,
+    parse_duration,
+    replanned_end,
+)
 from trainer_utils.optim import WarmupCosine
 
 settings.register_profile("default", max_examples=60, deadline=None, derandomize=True)
@@ -233,7 +243,7 @@ def test_a_replan_ends_in_the_band_or_as_early_as_it_can(p, at, late, speed):
     step = round(at * plan.steps)
     step_s = plan.step_s * speed
     spent = min(plan.budget_s, p["spent_share"] * plan.budget_s + step * plan.step_s * (1 + late))
-    budget, new = plan.budget_s, replan(plan, step, spent, step_s)
+    budget, new = plan.budget_s, replanned_end(plan, step, spent, step_s)
     if new is None:
         at_end = spent + spends(plan, step, plan.end, step_s)
         # early is kept when no more steps are allowed, or one more would overrun (steps too coarse for the band)
@@ -261,7 +271,7 @@ def test_a_replanned_schedule_keeps_its_past_decays_without_jumps_and_ends_at_mi
     for where, extra in replans:
         before = [schedule.lr_at(s) for s in range(step + 1)]
         step += round(where * (schedule.end - step))
-        schedule.replan(step, step + extra)
+        schedule.end_at(step, step + extra)
         assert [schedule.lr_at(s) for s in range(len(before))] == before
     end = schedule.end
     lrs = [schedule.lr_at(s) for s in range(end + 1)]

@@ -22,7 +22,7 @@ from trainer_utils import driver as driver_mod
 from trainer_utils import loop as loop_mod
 from trainer_utils import metrics as metrics_mod
 from trainer_utils.backend import Backend, Comm
-from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replan
+from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan, parse_duration, replanned_end
 from trainer_utils.checkpoint import latest_checkpoint
 from trainer_utils.components.budget import TimeBudgetGuard
 from trainer_utils.components.evaluation import Evaluation
@@ -81,14 +81,14 @@ def test_the_plan_is_the_most_steps_that_fit():
 def test_replan_keeps_a_plan_on_time_and_moves_one_that_is_not():
     plan = make_plan(1000.0, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), limit=2000, eval_interval=10**9, save_interval=None)
     assert plan.steps == 970
-    assert replan(plan, 100, 100.0, 1.0) is None  # on time
-    slower = replan(plan, 100, 100.0, 1.5)  # 870 steps left would end at 1405 s
+    assert replanned_end(plan, 100, 100.0, 1.0) is None  # on time
+    slower = replanned_end(plan, 100, 100.0, 1.5)  # 870 steps left would end at 1405 s
     assert slower == 100 + int((970 - 100) / 1.5)
-    faster = replan(plan, 100, 100.0, 0.8)  # would end at 796 s: more steps fit, and --max_steps allows them
+    faster = replanned_end(plan, 100, 100.0, 0.8)  # would end at 796 s: more steps fit, and --max_steps allows them
     assert faster == 100 + int(870 / 0.8)
     capped = make_plan(1000.0, 0.0, Costs(1.0, 0.0, 0.0, 0.0, 3), limit=970, eval_interval=10**9, save_interval=None)
-    assert replan(capped, 100, 100.0, 0.5) is None  # no room above the limit
-    assert replan(plan, 500, 995.0, 1.0) == 500  # the budget is spent: end here
+    assert replanned_end(capped, 100, 100.0, 0.5) is None  # no room above the limit
+    assert replanned_end(plan, 500, 995.0, 1.0) == 500  # the budget is spent: end here
 
 
 def test_a_replanned_schedule_is_continuous_and_still_reaches_the_minimum():
@@ -96,15 +96,15 @@ def test_a_replanned_schedule_is_continuous_and_still_reaches_the_minimum():
     plain = WarmupCosine(opt, max_lr=1.0, min_lr=0.1, warmup=10, total=100)
     moved = WarmupCosine(opt, max_lr=1.0, min_lr=0.1, warmup=10, total=100)
     assert [plain.lr_at(s) for s in range(100)] == [moved.lr_at(s) for s in range(100)]
-    moved.replan(40, 70)  # slower: the last 60 steps' decay in 30
+    moved.end_at(40, 70)  # slower: the last 60 steps' decay in 30
     assert [moved.lr_at(s) for s in range(41)] == [plain.lr_at(s) for s in range(41)]  # the past is kept
     assert moved.end == 70 and moved.lr_at(70) == pytest.approx(0.1)
     assert moved.lr_at(55) == pytest.approx(plain.lr_at(70))  # halfway through what is left
     lrs = [moved.lr_at(s) for s in range(10, 71)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # still decaying, no jump
-    moved.replan(60, 90)  # then faster again
+    moved.end_at(60, 90)  # then faster again
     assert moved.lr_at(60) == pytest.approx(plain.lr_at(80)) and moved.lr_at(90) == pytest.approx(0.1)
-    moved.replan(62, 62)  # no time left: ends at once
+    moved.end_at(62, 62)  # no time left: ends at once
     assert moved.end == 62
 
 

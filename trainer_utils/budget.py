@@ -18,7 +18,7 @@ While training, the guard component (components/budget.py) projects the end from
 `check_every` steps (about every 1% of the budget). When the machine slows down (or runs faster than measured)
 and the projection leaves [LOW, HIGH] of the budget, the run is re-planned from that step: the rest of the
 schedule is stretched or compressed so the decay still completes at the new last step (optim.py
-WarmupCosine.replan), and the change is logged. The plan and its re-plans are saved in every checkpoint
+WarmupCosine.end_at), and the change is logged. The plan and its re-plans are saved in every checkpoint
 (train_info.json): --resume continues them, measuring nothing again, so resume stays bit-exact; every rank of a
 distributed run decides from the same numbers: the slowest rank's (ranks wait for each other at every collective,
 so a rank-0-only evaluation such as the samples costs every rank its time).
@@ -189,7 +189,7 @@ def projected(plan: BudgetPlan, step: int, spent_s: float, step_s: float) -> flo
     return spent_s + plan.time_for(step, plan.end, step_s)
 
 
-def replan(plan: BudgetPlan, step: int, spent_s: float, step_s: float) -> int | None:
+def replanned_end(plan: BudgetPlan, step: int, spent_s: float, step_s: float) -> int | None:
     """The new last step when the end projected from `step` (at `step_s` a step, `spent_s` of the budget gone)
     falls outside [LOW, HIGH] of the budget; None to keep the plan. Never past the limit, never before `step`."""
     end, at = plan.end, projected(plan, step, spent_s, step_s)

@@ -103,7 +103,7 @@ class Trainer:
         planned = plan.steps if plan is not None else self.step_limit
         self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, o.final_lr, o.warmup(planned), planned)
         for r in plan.replans if plan is not None else ():  # a resumed budget run's, as they were made
-            self.scheduler.replan(r["step"], r["steps"])
+            self.scheduler.end_at(r["step"], r["steps"])
         self.objective: Objective = s.objective()
         # a mixture of experts: its routers' balancing losses and load statistics (trainer_utils/routing.py)
         self.router = RouterBalance(self.model.config, self.backend, self.device) if self.model.config.moe else None
@@ -149,7 +149,7 @@ class Trainer:
         self.measured.update(report.measured)
         if report.plan is not None:
             self.plan = report.plan
-            self.scheduler.replan(self.state.step, report.plan.end)
+            self.scheduler.end_at(self.state.step, report.plan.end)
             if self.logger is not None:
                 self.logger.set_total(report.plan.end)
         return report.stop

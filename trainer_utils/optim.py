@@ -136,7 +136,7 @@ class WarmupCosine:
     A group with an "lr_scale" gets that multiple of the schedule (Muon's matrices). The optimizer step count
     is the only state, so resuming restores the schedule exactly.
 
-    replan(step, end) (a --time_budget run whose machine ran slower or faster than measured, trainer_utils/
+    end_at(step, end) (a --time_budget run whose machine ran slower or faster than measured, trainer_utils/
     budget.py) lays the rest of the schedule, from `step` on, over the steps up to `end` instead: the learning
     rate stays continuous and still reaches min_lr at the new last step. The re-plans are the budget plan's, which
     the checkpoint keeps; the Trainer applies them again on resume.
@@ -157,7 +157,7 @@ class WarmupCosine:
         start, at, rate = next(seg for seg in reversed(self.segments) if seg[0] <= step)
         return at + (step - start) * rate
 
-    def replan(self, step: int, end: int) -> None:
+    def end_at(self, step: int, end: int) -> None:
         """From optimizer step `step` on, finish the schedule at `end` (ending at `step` itself stops it there)."""
         if end > step:
             at = self.position(step)

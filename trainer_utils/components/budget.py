@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..budget import PLAN_KEY, format_duration, projected, replan
+from ..budget import PLAN_KEY, format_duration, projected, replanned_end
 from ..context import Report, RunContext, StepOutcome
 from .base import Component
 
@@ -62,9 +62,9 @@ class TimeBudgetGuard(Component):
             return None  # too few steps yet for the steady time to overrule the probe's
         else:
             step_s = steady_s
-        end = replan(plan, step, spent, step_s)
+        end = replanned_end(plan, step, spent, step_s)
         if end is not None and end > plan.end and step_s < cautious:
-            step_s, end = cautious, replan(plan, step, spent, cautious)
+            step_s, end = cautious, replanned_end(plan, step, spent, cautious)
             if end is None or end <= plan.end:
                 return None
         if end is None:

@@ -31,7 +31,7 @@ class NonfiniteGuard(Component):
         trouble = self.trouble(ctx)
         if trouble is None:
             return None
-        event = self.plan(ctx, trouble)
+        event = self.fallback_event(ctx, trouble)
         return Report(stop=Stop(trouble, save=False, exit_code=0 if event else 1, fallback=event))
 
     def trouble(self, ctx: RunContext) -> str | None:
@@ -44,7 +44,7 @@ class NonfiniteGuard(Component):
             return f"the fp16 loss scale fell to {scaler.get_scale():.3g} (below 1)"
         return None
 
-    def plan(self, ctx: RunContext, trouble: str) -> dict[str, Any] | None:
+    def fallback_event(self, ctx: RunContext, trouble: str) -> dict[str, Any] | None:
         """The precision fallback to make (logged), or None to stop without saving (after saying why)."""
         dtype, run_dir, step = ctx.precision.dtype, ctx.run_dir, ctx.state.step
         to = fallback_dtype(dtype, ctx.device) if self.option == "fallback" else None
