@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -376,6 +377,41 @@ def test_tf32_switch_sets_cuda_matmul_precision_only():
         assert torch.get_float32_matmul_precision() == generic
         assert torch.backends.mkldnn.matmul.fp32_precision == cpu_before
     assert parse_train_config("pretrain", ["--no-tf32"], "").precision.tf32 is False
+
+
+REUSE_PROBE = """
+import resource, sys, torch
+from trainer_utils.runtime import tune_allocator
+applied = tune_allocator() if sys.argv[1] == "tuned" else None
+
+def faults_of_a_buffer() -> int:  # a step's large buffer: allocated, written, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(64 << 20, dtype=torch.uint8)
+    del x
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+warm = [faults_of_a_buffer() for _ in range(3)]  # the heap grows to hold it (the first steps)
+print(applied, faults_of_a_buffer())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
+def test_the_tuned_allocator_reuses_a_freed_buffer_without_faulting_its_pages_again():
+    """The kernel's count of page faults: glibc by default returns a freed 64 MiB buffer to the system, so every next
+    one faults its 16,384 pages in again; after tune_allocator() (what every training run does first), once the
+    heap has grown to hold it, it comes back from the heap. An allocator the environment chose is left alone."""
+    def probe(mode: str, **env: str) -> tuple[str, int]:
+        done = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode], capture_output=True, text=True, check=True,
+                              cwd=ROOT, env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
+                                             **env})
+        applied, faults = done.stdout.split()
+        return applied, int(faults)
+
+    applied, default = probe("default")
+    assert default >= 16384 * 0.9
+    applied, tuned = probe("tuned")
+    assert applied == "True" and tuned < 100
+    assert probe("tuned", MALLOC_ARENA_MAX="2")[0] == "False"
 
 
 def test_the_skipped_step_count_survives_a_resume(corpus, tmp_path, monkeypatch):

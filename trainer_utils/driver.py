@@ -39,6 +39,7 @@ from .config import TrainConfig
 from .data import StepFeeder
 from .loop import Trainer
 from .metrics import MetricsLogger
+from .runtime import tune_allocator
 from .session import Session
 from .stages import Stage, parse_train_config
 
@@ -46,6 +47,7 @@ from .stages import Stage, parse_train_config
 def main(stage: Stage | str, argv: list[str] | None, description: str | None) -> int:
     """A training script's whole entry point: parse its flags and --config, then train."""
     started = time.perf_counter() - process_age()  # a --time_budget counts from the process's start
+    tune_allocator()  # before anything large is allocated
     try:
         config = parse_train_config(stage, argv, description)
     except ConfigError as e:

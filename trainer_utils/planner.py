@@ -34,7 +34,7 @@ from .metrics import flops_per_token
 from .objectives import LanguageModeling
 from .optim import is_hidden_matrix, optimizer_for
 from .routing import RouterBalance
-from .runtime import Precision
+from .runtime import Precision, tune_allocator
 from .step import Step
 
 TOKENS_PER_PARAMETER = 20
@@ -334,6 +334,7 @@ def main(budget: str, device: str, data_path: str | None, presets: list[str] | N
 
     if budget is None:
         raise ConfigError("--plan needs --time_budget (90s, 10m, 2h)")
+    tune_allocator()  # steps are timed as training takes them
     rows, best, reason, header = plan(parse_duration(budget), device, data_path, presets)
     print(header)
     print(table(rows, best))
