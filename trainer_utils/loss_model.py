@@ -1,0 +1,111 @@
+"""The validation loss a pretraining run can expect from its size and its tokens, fitted to short runs:
+
+    L(N, D) = E + A / N^alpha + B / D^beta
+
+N is the model's parameters, D the tokens it trains on (with its schedule completed at D), L the final validation
+loss in nats per token (Hoffmann et al. 2022, "approach 3"). E is what no model or data can remove (the text's own
+entropy, for this tokenizer); the two other terms are what a larger model and more tokens each take away.
+
+The fit minimises the Huber loss of the residuals of log L (robust to an odd run; Huber's delta 1e-3 as Hoffmann
+et al.), over log A, alpha, log B, beta and log E, so each stays positive: the objective is evaluated on a grid of
+starting points at once, and L-BFGS polishes the best few (the grid guards against the local minima a single
+start falls into: Besiroglu et al. 2024 found Hoffmann et al.'s own fit ended in one).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+
+HUBER_DELTA = 1e-3
+# The starting grid: exponents from flat to steep, log-constants over the range small models give.
+GRID = {"log_a": (0.0, 5.0, 10.0, 15.0, 20.0), "alpha": (0.1, 0.3, 0.5, 0.8, 1.2),
+        "log_b": (0.0, 5.0, 10.0, 15.0, 20.0), "beta": (0.1, 0.3, 0.5, 0.8, 1.2),
+        "log_e": (-1.0, 0.0, 0.5, 1.0, 1.5)}
+POLISHED = 8  # the best grid points L-BFGS starts from
+
+
+@dataclass(frozen=True)
+class LossModel:
+    """L(N, D) = E + A / N^alpha + B / D^beta, in nats per token."""
+
+    E: float
+    A: float
+    alpha: float
+    B: float
+    beta: float
+
+    def loss(self, n: float, d: float) -> float:
+        """The final validation loss of a model of `n` parameters trained on `d` tokens."""
+        return self.E + self.A / n ** self.alpha + self.B / d ** self.beta
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LossModel:
+        return cls(**{k: float(d[k]) for k in ("E", "A", "alpha", "B", "beta")})
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A fitted loss model and how well it fits its points: each point's relative error (predicted / actual - 1)."""
+
+    model: LossModel
+    relative_errors: tuple[float, ...]
+
+    @property
+    def worst(self) -> float:
+        """The largest relative error, either way."""
+        return max(map(abs, self.relative_errors))
+
+
+def _log_predicted(theta: torch.Tensor, log_n: torch.Tensor, log_d: torch.Tensor) -> torch.Tensor:
+    """log L for each parameter row of theta (log_a, alpha, log_b, beta, log_e) at every point: (rows, points)."""
+    log_a, alpha, log_b, beta, log_e = theta.unbind(-1)
+    terms = torch.stack([log_a[:, None] - alpha[:, None] * log_n, log_b[:, None] - beta[:, None] * log_d,
+                         log_e[:, None].expand(-1, log_n.numel())])
+    return torch.logsumexp(terms, dim=0)
+
+
+def _objective(theta: torch.Tensor, log_n: torch.Tensor, log_d: torch.Tensor, log_l: torch.Tensor) -> torch.Tensor:
+    """The summed Huber loss of each row's log residuals: (rows,)."""
+    residual = _log_predicted(theta, log_n, log_d) - log_l
+    return torch.nn.functional.huber_loss(residual, torch.zeros_like(residual), reduction="none",
+                                          delta=HUBER_DELTA).sum(-1)
+
+
+def fit(points: Sequence[tuple[float, float, float]]) -> Fit:
+    """The loss model of (parameters, tokens, final validation loss) points. ValueError for fewer than 5 points
+    (5 constants) or a point that is not positive and finite."""
+    if len(points) < 5:
+        raise ValueError(f"a loss model has 5 constants: fitting it needs at least 5 runs, got {len(points)}")
+    if not all(math.isfinite(x) and x > 0 for p in points for x in p):
+        raise ValueError("every point's parameters, tokens and loss must be positive and finite")
+    n, d, loss = (torch.tensor(column, dtype=torch.float64) for column in zip(*points))
+    log_n, log_d, log_l = n.log(), d.log(), loss.log()
+    grid = torch.tensor(list(itertools.product(*GRID.values())), dtype=torch.float64)
+    starts = grid[_objective(grid, log_n, log_d, log_l).argsort()[:POLISHED]]
+    best, best_value = None, math.inf
+    for start in starts:
+        theta = start.clone().requires_grad_(True)
+        optimizer = torch.optim.LBFGS([theta], lr=1.0, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15,
+                                      line_search_fn="strong_wolfe")
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            value = _objective(theta[None], log_n, log_d, log_l)[0]
+            value.backward()
+            return value
+
+        optimizer.step(closure)
+        value = _objective(theta.detach()[None], log_n, log_d, log_l)[0].item()
+        if value < best_value:
+            best, best_value = theta.detach(), value
+    log_a, alpha, log_b, beta, log_e = best.tolist()
+    model = LossModel(E=math.exp(log_e), A=math.exp(log_a), alpha=alpha, B=math.exp(log_b), beta=beta)
+    errors = tuple(model.loss(*p[:2]) / p[2] - 1 for p in points)
+    return Fit(model, errors)
