@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time as real_time
 from types import SimpleNamespace
 
@@ -270,19 +271,30 @@ def test_a_slower_or_faster_machine_is_replanned_to_end_within_the_budget(corpus
 
 def test_a_replan_that_stops_now_makes_this_step_the_last_with_its_evaluation_and_checkpoint(corpus, tmp_path,
                                                                                               monkeypatch, capsys):
-    hang = 24.87654321  # step 9 hangs: 3 s of probe + 8 steps + this = 35.87654321 s of 40 spent
+    hang = 27.87654321  # step 9 hangs: 3 s of probe + 8 steps + this = 38.87654321 s of 40 spent
     virtual_clock(monkeypatch, lambda step: hang if step == 9 else 1.0)
     assert train_pretrain.main(budget_flags(corpus, tmp_path, "run")) == 0
     [event] = [r for r in strict_records(tmp_path / "run") if r.get("event") == "time_budget"]
-    # the recent step time (since step 8's mark) is the hang itself, 25x the run's: a slow-down, acted on at once
+    # one slow look is not expected again (the run's step time leaves it out, 1 s), but its time is spent: not one
+    # more 1-s step fits before 97% of the budget (38.8 s)
     assert {k: v for k, v in event.items() if k != "time"} == {
-        "step": 9, "event": "time_budget", "planned_steps": 35, "steps": 9, "step_time_s": 24.876543, "spent_s": 35.877}
-    assert ("time budget: steps take 24.9 s (planned 1 s) with 35.9s of 40.0s spent: stopping now, at step 9 of 35"
+        "step": 9, "event": "time_budget", "planned_steps": 35, "steps": 9, "step_time_s": 1.0, "spent_s": 38.877}
+    assert ("time budget: steps take 1 s (planned 1 s) with 38.9s of 40.0s spent: stopping now, at step 9 of 35"
             in capsys.readouterr().err)
     replans = read_train_info(latest_checkpoint(tmp_path / "run"))["time_budget"]["replans"]
-    assert replans == [{"step": 9, "steps": 9, "step_s": 24.876543, "spent_s": 35.877}]
+    assert replans == [{"step": 9, "steps": 9, "step_s": 1.0, "spent_s": 38.877}]
     assert [r["step"] for r in strict_records(tmp_path / "run") if "val_loss" in r] == [9]  # not a multiple of 10
     assert latest_checkpoint(tmp_path / "run").name.endswith("step_00000009")
+
+
+def test_a_hang_is_paid_but_the_rest_is_planned_at_the_runs_step_time(corpus, tmp_path, monkeypatch):
+    """Step 9 hangs for 24.9 s (35.9 s of 40 spent): the rest is planned at the run's 1 s, not at the hang's time
+    (which would stop the run there): 2.9 s to 38.8 s hold 2 more steps."""
+    virtual_clock(monkeypatch, lambda step: 24.87654321 if step == 9 else 1.0)
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "run")) == 0
+    [event] = [r for r in strict_records(tmp_path / "run") if r.get("event") == "time_budget"]
+    assert (event["step"], event["steps"], event["step_time_s"]) == (9, 11, 1.0)
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 11
 
 
 def test_the_plan_refuses_a_budget_setting_up_already_spent(corpus, tmp_path, monkeypatch, capsys):
@@ -392,12 +404,16 @@ def test_the_guard_looks_every_check_every_steps_after_its_first_mark_and_before
     assert GuardRun(plan).guard.describe() == {"time_budget": plan.to_dict()}
 
 
-def test_the_recent_window_starts_at_the_newest_mark_far_enough_back():
+def test_the_step_times_take_the_recent_median_and_leave_out_a_look_far_above_it():
+    """Looks (seconds a step since the mark before): 0.2 (8 s / 40 steps), 0.4 (8 / 20), 0.4 (2 / 5), 1.0 (3 / 3),
+    0.5 (1 / 2), 70 s / 70 steps in all. The recent step time is the median of the looks since the newest mark at
+    least the window back, three looks at least; the run's leaves out the looks over twice the recent one."""
     guard = GuardRun(guard_plan(steps=100, limit=100)).guard
-    guard.marks[:] = [(2.0, 1), (10.0, 41), (18.0, 81)]  # (training seconds, step)
-    assert guard.since(20.0, 5.0) == (10.0, 41)  # 18 is 2 s back, 10 is 10 s back
-    assert guard.since(23.0, 5.0) == (18.0, 81)  # exactly 5 s back is far enough
-    assert guard.since(6.0, 5.0) == (2.0, 1)  # none is: the oldest
+    guard.marks[:] = [(2.0, 1), (10.0, 41), (18.0, 61), (20.0, 66), (23.0, 69), (24.0, 71)]
+    assert guard.step_times(5.0) == (22 / 70, 0.5)  # since 18 s: 0.4, 1.0, 0.5; 1.0 is not over 2 x 0.5
+    assert guard.step_times(6.0)[1] == 0.5  # 18 s is exactly 6 s back: far enough
+    assert guard.step_times(6.5) == (19 / 67, 0.45)  # since 10 s: 0.4, 0.4, 1.0, 0.5; 1.0 is over 2 x 0.45
+    assert guard.step_times(1.0)[1] == 0.5  # since 23 s: 0.5 alone, so the last three looks
 
 
 def test_the_guard_waits_out_its_first_window_whatever_the_last_steps_took():
@@ -412,69 +428,98 @@ def test_the_guard_plans_from_its_steady_time_once_a_window_has_passed():
     assert guard_ends(guard_plan(steps=50, limit=200), (7.0, 11, 45.0)) == [115]
 
 
+def decision(plan: BudgetPlan, marks: list[tuple[float, int]], look: tuple[float, int, float]) -> GuardRun:
+    """The guard's look at (training seconds, step, budget seconds spent) after the marks of its earlier looks
+    (the first after step 1), with no re-plan among them."""
+    run = GuardRun(plan)
+    run.guard.marks[:] = marks
+    run.look(*look)
+    return run
+
+
 def test_a_recent_step_time_exactly_a_quarter_above_the_runs_is_no_slow_down():
-    """Steps 1-11 at 0.8 s, then 12-19 at 1.25 s: the run's time is 18 s / 18 steps = 1 s, the recent one (since
-    step 11, 10 s back) 10 s / 8 = 1.25 s, exactly SLOWER times it: not a slow-down. At 1 s the 40 steps left end
-    at 97 s, inside the band; at 1.25 s they would end at 107 s and the run would be cut to step 51."""
-    assert guard_ends(guard_plan(steps=59, limit=59), (10.0, 11, 47.0), (20.0, 19, 57.0)) == []
+    """Looks of 0.5 s a step (4.5 s / 9 steps), then 1.25 s (10 s / 8, 7.5 s / 6, 5 s / 4): the run's step time is
+    27 s / 27 steps = 1 s, the recent one the median of the last three looks, 1.25 s: exactly SLOWER times it, not
+    a slow-down. At 1 s the 31 steps left end at 97 s, inside the band; at 1.25 s they would end at 104.75 s and
+    the run would be cut."""
+    marks = [(2.0, 1), (6.5, 10), (16.5, 18), (24.0, 24)]
+    assert decision(guard_plan(steps=59, limit=59), marks, (29.0, 28, 66.0)).ends == []
 
 
-@pytest.mark.parametrize("steps,looks,ends", [
-    # recent 11 s / 8 = 1.375 s against 19 s / 18 = 1.056 s: a slow-down. At 1.375 s the 40 steps left end at
-    # 113 s; the 39 s to 97 s hold 28 of them (at 1.056 s it would have been 36): step 47
-    (59, [(10.0, 11, 47.0), (21.0, 19, 58.0)], [47]),
-    # the recent window exactly 5 s back (step 11 at 12 s): 5 s / 3 = 1.667 s against 15 s / 13 = 1.154 s; at
-    # 1.667 s the 10 steps left end at 101.7 s, past the budget; 12 s to 97 s hold 7 of them: step 21. (From the
-    # older mark it would be no slow-down, and at 1.154 s they end at 96.5 s, in the band.)
-    (24, [(12.0, 11, 80.0), (17.0, 14, 85.0)], [21])])
-def test_a_slow_down_is_planned_at_once_from_the_recent_step_time(steps, looks, ends):
-    """(The first look ends the run early, but the limit allows no more steps.)"""
-    assert guard_ends(guard_plan(steps, limit=steps), *looks) == ends
+def test_a_slow_down_is_planned_at_once_from_the_recent_step_time():
+    """Looks of 1 s a step, then two of 3 s (9 s / 3 steps each): the recent step time, the median of the last
+    three looks (1, 3, 3), is 3 s; the run's leaves out the looks over twice the median look's (1 s): 30 s / 30
+    steps = 1 s. At 3 s the 22 steps left would end at 154 s: a slow-down, planned at once at 3 s: the 9 s to 97 s
+    hold 3 steps, to step 40."""
+    marks = [(2.0, 1), (12.0, 11), (22.0, 21), (32.0, 31), (41.0, 34)]
+    assert decision(guard_plan(steps=59, limit=59), marks, (50.0, 37, 88.0)).ends == [40]
+
+
+def test_one_slow_look_is_paid_but_not_expected_again():
+    """The same run one look earlier: one look of 3 s a step among looks of 1 s is no slow-down (the recent median
+    is 1 s), and it is left out of the run's step time, 1 s. Its time is spent, though: at 1 s the 25 steps left
+    end at 104 s, so the run is planned shorter at 1 s, the 18 s to 97 s holding 18 steps: step 52 (at 3 s, 6)."""
+    marks = [(2.0, 1), (12.0, 11), (22.0, 21), (32.0, 31)]
+    assert decision(guard_plan(steps=59, limit=59), marks, (41.0, 34, 79.0)).ends == [52]
 
 
 @pytest.mark.parametrize("spent,ends", [
-    (59.75, []),  # at 1 s the 40 steps left end at 99.75 s: no slow-down (within the budget), and too long to go on
-    (60.0, []),  # ... end at 100 s: still within it
-    (61.0, [57])])  # ... end at 101 s: a slow-down; 36 s to 97 s hold 36 steps
+    (64.75, []),  # at 1 s the 35 steps left end at 99.75 s: no slow-down (within the budget), and too long to go on
+    (65.0, []),  # ... end at 100 s: still within it
+    (66.0, [57])])  # ... end at 101 s: a slow-down; 31 s to 97 s hold 31 steps
 def test_planning_longer_needs_the_recent_step_time_to_agree(spent, ends):
-    """Steps 1-11 at 0.4 s, then 12-21 at 1 s: the run's step time is 14 s / 20 = 0.7 s, the recent one 1 s (more
-    than SLOWER times it). At 0.7 s the 40 steps left would end early (at most 61 + 28 = 89 s) and the run could go
-    on, but at the recent 1 s they do not end early: the plan is kept, unless the recent time overruns the budget,
-    which is a slow-down."""
-    assert guard_ends(guard_plan(steps=61, limit=200), (6.0, 11, spent - 10.0), (16.0, 21, spent)) == ends
+    """Steps 2-11 at 0.4 s, then 12-26 at 1 s: the run's step time is 19 s / 25 = 0.76 s, the recent one (the median
+    of the last three looks) 1 s, more than SLOWER times it. At 0.76 s the 35 steps left would end early (at most
+    66 + 26.6 = 92.6 s) and the run could go on, but at the recent 1 s they do not end early: the plan is kept,
+    unless the recent time overruns the budget, which is a slow-down."""
+    marks = [(2.0, 1), (6.0, 11), (11.0, 16), (16.0, 21)]
+    assert decision(guard_plan(steps=61, limit=200), marks, (21.0, 26, spent)).ends == ends
 
 
 def test_a_longer_plan_is_the_recent_step_times_when_both_agree():
-    """The run's step time 14 s / 20 = 0.7 s, the recent one 10 s / 12 = 0.833 s (not a slow-down: under 0.875):
-    both end the 40 steps left early (at 78.1 s and 83.5 s). The longer run is planned at the slower 0.833 s: 46.9 s
-    to 97 s hold 56 steps after step 21 (at 0.7 s, 66)."""
-    run = GuardRun(guard_plan(steps=61, limit=200))
-    run.step(2.0, 1)
-    run.look(6.0, 9, 40.0)
-    run.look(16.0, 21, 50.12345)  # (recorded to the millisecond)
-    assert run.ends == [77]
-    assert run.ctx.plan.replans == ({"step": 21, "steps": 77, "step_s": 0.833333, "spent_s": 50.123},)
-    assert run.records == [{"step": 21, "event": "time_budget", "planned_steps": 61, "steps": 77,
+    """The run's step time 19 s / 28 = 0.679 s, the recent one the median of three looks of 5 s / 6 steps, 0.833 s
+    (not a slow-down: under 1.25 x 0.679 = 0.848): both end the 32 steps left early (at 71.8 s and 76.8 s). The
+    longer run is planned at the slower 0.833 s: 46.9 s to 97 s hold 56 steps after step 29 (at 0.679 s, 69)."""
+    run = decision(guard_plan(steps=61, limit=200), [(2.0, 1), (6.0, 11), (11.0, 17), (16.0, 23)],
+                   (21.0, 29, 50.12345))  # (recorded to the millisecond)
+    assert run.ends == [85]
+    assert run.ctx.plan.replans == ({"step": 29, "steps": 85, "step_s": 0.833333, "spent_s": 50.123},)
+    assert run.records == [{"step": 29, "event": "time_budget", "planned_steps": 61, "steps": 85,
                             "step_time_s": 0.833333, "spent_s": 50.123}]
     assert run.messages == ["time budget: steps take 0.833 s (planned 1 s) with 50.1s of 1m 40s spent: ending at "
-                            "step 77 instead of 61, the learning-rate decay completing there"]
+                            "step 85 instead of 61, the learning-rate decay completing there"]
+
+
+def test_after_a_replan_the_guard_waits_a_few_looks_before_the_next():
+    """Steps at 1 s, then at 0.8 s from step 32 on. At step 41 (8 s / 10 steps) the run's time is 38 s / 40 = 0.95
+    s and the recent one 1 s: at 1 s the 18 steps left end at 78 s, so it plans longer at 1 s: 37 s to 97 s, to
+    step 78. At step 51 the steps left would still end early (at the run's 0.92 s: at 92.8 s), but it is one look
+    after the re-plan: it waits SETTLE looks. At step 71, the third look after it: the run's time 62 s / 70 =
+    0.886 s, the recent 0.8 s; the 7 steps left end at 90.2 s: 13 s to 97 s hold 14 steps, to step 85."""
+    run = GuardRun(guard_plan(steps=59, limit=200))
+    run.guard.marks[:] = [(2.0, 1), (12.0, 11), (22.0, 21), (32.0, 31)]
+    run.look(40.0, 41, 60.0)
+    assert run.ends == [78]
+    run.look(48.0, 51, 68.0)
+    run.look(56.0, 61, 76.0)
+    assert run.ends == [78]
+    run.look(64.0, 71, 84.0)
+    assert run.ends == [78, 85]
 
 
 def test_a_slow_down_with_no_time_left_stops_the_run_at_this_step():
-    """Steps 12-19 took 30 s (3.75 s each, against the run's 38 s / 18 = 2.1 s) and 96 s are spent: not even one
-    more step fits in the 1 s left to 97 s, so the run ends here, at step 19."""
-    run = GuardRun(guard_plan(steps=59, limit=59))
-    run.step(2.0, 1)
-    run.look(10.0, 11, 47.0)
-    run.look(40.0, 19, 96.0)
-    assert run.ends == [19] and run.records[0]["step_time_s"] == 3.75
+    """Steps 12-23 took 3.75 s each (15 s / 4 steps a look), against the run's 53 s / 22 = 2.41 s, and 96 s are
+    spent: a slow-down, and not even one more step fits in the 1 s left to 97 s, so the run ends here, at step 23."""
+    run = decision(guard_plan(steps=59, limit=59), [(2.0, 1), (10.0, 11), (25.0, 15), (40.0, 19)], (55.0, 23, 96.0))
+    assert run.ends == [23] and run.records[0]["step_time_s"] == 3.75
     assert run.messages == ["time budget: steps take 3.75 s (planned 1 s) with 1m 36s of 1m 40s spent: stopping now, "
-                            "at step 19 of 59"]
+                            "at step 23 of 59"]
 
 
 def test_a_shorter_plan_is_the_runs_step_times_when_it_overruns_without_a_slow_down():
-    """The same step times (0.7 s, recently 0.833 s) with 75 s spent: at 0.7 s the 40 steps left end at 103 s.
-    Planned shorter from the run's own time, which is steady: 22 s to 97 s hold 31 steps after step 21."""
+    """Looks of 0.5 s and 0.833 s a step (the recent median 0.667 s, the run's 14 s / 20 = 0.7 s) with 75 s spent: at
+    0.7 s the 40 steps left end at 103 s. Planned shorter from the run's own time, which is steady: 22 s to 97 s
+    hold 31 steps after step 21."""
     assert guard_ends(guard_plan(steps=61, limit=61), (6.0, 9, 65.0), (16.0, 21, 75.0)) == [52]
 
 
@@ -509,3 +554,50 @@ def test_the_demo_gives_each_stage_a_share_of_the_time_left():
 def test_the_demo_budget_refuses_bad_values(argv, message, capsys):
     assert demo_budget().main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ the guard over a whole run, simulated
+def simulate(step_cost, budget_s: float = 600.0, setup_s: float = 20.0) -> tuple[list[int], float]:
+    """A whole run under the guard alone: a 10-minute budget planned at 1 s a step (20 s of it set up), each step
+    costing step_cost(step) seconds, the guard looking every 1% of the budget. Returns its re-planned ends and
+    the budget's share spent when the run ends."""
+    steps = int(TARGET * budget_s - setup_s)
+    plan = BudgetPlan(budget_s=budget_s, steps=steps, limit=10 * steps, step_s=1.0, first_extra_s=0.0, eval_s=0.0,
+                      save_s=0.0, eval_interval=10**6, save_interval=10**6, setup_s=setup_s,
+                      check_every=int(0.01 * budget_s))
+    run, elapsed, step = GuardRun(plan), 0.0, 0
+    while step < run.ctx.plan.end:
+        step += 1
+        elapsed += step_cost(step)
+        run.step(elapsed, step, setup_s + elapsed)
+        if run.guard.due(step, run.ctx.plan.end):
+            run.look(elapsed, step, setup_s + elapsed)
+    return run.ends, (setup_s + elapsed) / budget_s
+
+
+def test_a_quiet_machine_with_noisy_steps_keeps_its_plan():
+    """Steps of 1 s +- 10% (a chat batch's length, the OS): the plan holds."""
+    rng = random.Random(0)
+    ends, spent = simulate(lambda step: 1.0 + 0.1 * rng.gauss(0, 1))
+    assert len(ends) <= 1 and 0.94 <= spent <= 1.0
+
+
+def test_a_burst_of_other_work_at_the_start_is_one_replan_and_its_correction():
+    """Steps 2-30 take 3 s (another program's start-up), the rest 1 s: the guard cuts the run while the burst looks
+    like the machine's speed, and plans it longer once, after the burst, rather than step by step as the average
+    recovers; the run ends within its budget."""
+    ends, spent = simulate(lambda step: 3.0 if step <= 30 else 1.0)
+    assert len(ends) <= 2 and 0.94 <= spent <= 1.0  # (21 re-plans when the run's time was its plain average)
+
+
+def test_a_lasting_slow_down_is_followed_within_the_budget():
+    """From step 200 on, steps take 1.5 s: the run is planned shorter, and ends within its budget."""
+    ends, spent = simulate(lambda step: 1.5 if step >= 200 else 1.0)
+    assert ends and ends[-1] < 562 and 0.94 <= spent <= 1.0
+
+
+def test_hangs_are_paid_one_replan_each_and_never_stop_the_run():
+    """Every 100th step hangs for 20 s: each hang's time is spent, so each moves the end once (not the dozens of
+    re-plans of a run whose step time averages the hangs in), and the run still ends within its budget."""
+    ends, spent = simulate(lambda step: 20.0 if step % 100 == 50 else 1.0)
+    assert len(ends) <= 5 and ends == sorted(ends, reverse=True) and 0.94 <= spent <= 1.0
