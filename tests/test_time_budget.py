@@ -490,6 +490,22 @@ def test_a_longer_plan_is_the_recent_step_times_when_both_agree():
                             "step 85 instead of 61, the learning-rate decay completing there"]
 
 
+def test_within_the_first_window_the_recent_time_is_the_median_of_every_look():
+    """Looks of 0.2, 1, 1 and 0.2 s a step in the first 2.4 s (under the 5-s window): the recent time is their
+    median, 0.6 s, the run's too (2.4 s / 4 steps): no slow-down, and too early for anything else. (From the last
+    three looks alone it would be 1 s, 1.67x the run's: the 95 steps left would overrun and the run be cut.)"""
+    marks = [(2.0, 1), (2.2, 2), (3.2, 3), (4.2, 4)]
+    assert decision(guard_plan(steps=100, limit=100), marks, (4.4, 5, 10.0)).ends == []
+
+
+def test_a_shorter_plan_is_the_runs_step_time_even_when_the_recent_one_is_slower():
+    """The run's step time 19 s / 26 = 0.731 s, the recent one 0.833 s (5 s / 6 steps, not a slow-down: under
+    1.25 x 0.731): at 0.731 s the 34 steps left end at 100.8 s, so it plans shorter at the run's time: 21 s to 97 s
+    hold 28 steps, to step 55 (planning at the recent time is for a longer run only)."""
+    marks = [(2.0, 1), (6.0, 9), (11.0, 15), (16.0, 21)]
+    assert decision(guard_plan(steps=61, limit=61), marks, (21.0, 27, 76.0)).ends == [55]
+
+
 def test_after_a_replan_the_guard_waits_a_few_looks_before_the_next():
     """Steps at 1 s, then at 0.8 s from step 32 on. At step 41 (8 s / 10 steps) the run's time is 38 s / 40 = 0.95
     s and the recent one 1 s: at 1 s the 18 steps left end at 78 s, so it plans longer at 1 s: 37 s to 97 s, to
