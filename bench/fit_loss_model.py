@@ -3,7 +3,7 @@
     python bench/fit_loss_model.py                                       # depths 2-6, 3 lengths each, fp32
     python bench/fit_loss_model.py --depths 2 3 4 --steps 120 240 --out /tmp/fit.json
 
-Every run is a model of the depth family (mini-30m made 64 x depth wide and depth layers deep: heads of 64, two
+Every run is a model of the depth family (`--preset depth-N`, model/config.py: 64 x depth wide, heads of 64, two
 key-value heads where the heads divide by two, QK-norm, context 256) trained with the demo recipe's settings
 (Muon at learning rate 4e-3, 20 warm-up steps, 16 sequences a step) for a given number of steps, its schedule
 completed there, in a process of its own (train_pretrain.py). A run's point is (non-embedding parameters, tokens
@@ -25,18 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.device import cpu_model  # noqa: E402
-from model.config import reshape_preset  # noqa: E402
+from model.config import DEPTH_PREFIX, get_preset  # noqa: E402
 from trainer_utils.loss_model import fit  # noqa: E402
 
-FAMILY = dict(preset="mini-30m", max_seq_len=256, qk_norm=True)
 RECIPE = dict(learning_rate=4e-3, warmup_steps=20, batch_size=16)  # recipes/demo-pretrain.yaml's
 DATA = ROOT / "dataset" / "demo" / "pretrain_demo.jsonl"
 
 
 def family_config(depth: int):
     """The depth family's model of `depth` layers (the shipped tokenizer's vocabulary)."""
-    return reshape_preset(FAMILY["preset"], 64 * depth, depth, FAMILY["max_seq_len"], vocab_size=6400,
-                          qk_norm=FAMILY["qk_norm"])
+    return get_preset(f"{DEPTH_PREFIX}{depth}", vocab_size=6400)
 
 
 def last_record(run_dir: Path, steps: int) -> dict | None:
@@ -57,9 +55,8 @@ def train(depth: int, steps: int, runs_dir: Path, dtype: str) -> tuple[dict, flo
     record = last_record(runs_dir / name, steps)
     if record is not None:
         return record, None
-    argv = [sys.executable, str(ROOT / "train_pretrain.py"), "--data_path", str(DATA), "--preset", FAMILY["preset"],
-            "--hidden_size", str(64 * depth), "--num_hidden_layers", str(depth),
-            "--max_seq_len", str(FAMILY["max_seq_len"]), "--qk_norm", "--dtype", dtype,
+    argv = [sys.executable, str(ROOT / "train_pretrain.py"), "--data_path", str(DATA),
+            "--preset", f"{DEPTH_PREFIX}{depth}", "--dtype", dtype,
             "--learning_rate", str(RECIPE["learning_rate"]), "--warmup_steps", str(RECIPE["warmup_steps"]),
             "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps), "--eval_interval", str(steps),
             "--log_interval", str(steps), "--no-checkpoints", "--sample_prompts", "none", "--probes", "none",
@@ -101,7 +98,7 @@ def main() -> None:
         r["predicted"] = round(result.model.loss(r["parameters"], r["tokens"]), 4)
         r["relative_error"] = round(error, 4)
     report = {"machine": cpu_model(), "cores": os.cpu_count(), "dtype": args.dtype, "data": str(DATA.relative_to(ROOT)),
-              "family": FAMILY, "recipe": RECIPE, "parameters": "non-embedding",
+              "family": f"{DEPTH_PREFIX}N", "recipe": RECIPE, "parameters": "non-embedding",
               "model": {k: round(v, 6) for k, v in result.model.to_dict().items()},
               "worst_relative_error": round(result.worst, 4), "runs": runs}
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -358,15 +358,45 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The depth family: models sized by one knob, their number of layers, every other dimension derived from it (as
+# nanochat derives its models from their depth): 64 wide per layer, so heads of 64, one per layer; two key-value heads
+# where the heads divide by two (else one per head); QK-norm (which keeps attention logits bounded at the high
+# learning rate of a short run); a context of 256. `--preset depth-N` names one. The demo's model is depth 4, and
+# mini-30m has depth 6's shape but for its key-value heads.
+DEPTH_PREFIX = "depth-"
+MAX_DEPTH = 48
+DEPTH_WIDTH = 64  # d_model per layer, and the head size
+
+
+def depth_shape(depth: int) -> dict[str, Any]:
+    """The fields of the depth family's model of `depth` layers (ConfigError outside 1..MAX_DEPTH)."""
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ConfigError(f"preset {DEPTH_PREFIX}{depth}: the depth family has 1 to {MAX_DEPTH} layers")
+    heads = depth
+    return dict(hidden_size=DEPTH_WIDTH * depth, num_hidden_layers=depth, num_attention_heads=heads,
+                num_key_value_heads=2 if heads % 2 == 0 else heads, qk_norm=True, rope_theta=1e4, max_seq_len=256)
+
+
+def preset_fields(name: str) -> dict[str, Any]:
+    """A preset's fields: a named one (PRESETS), or the depth family's `depth-N`."""
+    if name in PRESETS:
+        return PRESETS[name]
+    depth = name[len(DEPTH_PREFIX):] if name.startswith(DEPTH_PREFIX) else ""
+    if depth.isdigit() and depth == str(int(depth)):
+        return depth_shape(int(depth))
+    raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)} or {DEPTH_PREFIX}N (N layers "
+                      f"of the depth family, 1 to {MAX_DEPTH})")
+
+
 def get_preset(name: str, **overrides: Any) -> ModelConfig:
-    """The named preset, with optional field overrides (e.g. vocab_size from a tokenizer)."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    """The named preset (or the depth family's `depth-N`), with optional field overrides (e.g. vocab_size from a
+    tokenizer)."""
+    fields = preset_fields(name)
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     bad = sorted(set(overrides) - known)
     if bad:
         raise ConfigError(f"unknown config fields {bad}")
-    return ModelConfig(**{**PRESETS[name], **overrides})
+    return ModelConfig(**{**fields, **overrides})
 
 
 def reshape_preset(name: str, hidden_size: int | None = None, num_hidden_layers: int | None = None,
@@ -402,7 +432,8 @@ def model_flags() -> list[tuple[str, Any, Any]]:
     hints = typing.get_type_hints(ModelConfig)
     flags: list[tuple[str, Any, Any]] = [(
         # not argparse choices: an unknown name is one `error:` line naming the presets, like every bad value
-        "preset", str | None, option(None, f"model shape of a new model: {', '.join(PRESETS)} (default: "
+        "preset", str | None, option(None, f"model shape of a new model: {', '.join(PRESETS)}, or {DEPTH_PREFIX}N "
+                                           f"(N layers of the depth family, docs/model.md) (default: "
                                            f"{DEFAULT_PRESET}); not with --init_from, which brings its own",
                                      metavar="NAME"))]
     for f in dataclasses.fields(ModelConfig):
@@ -438,9 +469,11 @@ def architecture(config: ModelConfig) -> dict[str, Any]:
 
 
 def model_name(config: ModelConfig) -> str:
-    """The preset `config` has the shape of, else a short shape description such as "d256-l4" (run names)."""
+    """The preset `config` has the shape of (a depth family's "depth-4" too), else a short shape description such
+    as "d512-l4" (run names)."""
     shape = architecture(config)
-    return next((name for name in PRESETS if architecture(get_preset(name)) == shape),
+    family = [f"{DEPTH_PREFIX}{config.num_hidden_layers}"] if config.num_hidden_layers <= MAX_DEPTH else []
+    return next((name for name in (*PRESETS, *family) if architecture(get_preset(name)) == shape),
                 f"d{config.hidden_size}-l{config.num_hidden_layers}")
 
 

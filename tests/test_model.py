@@ -6,10 +6,12 @@ import re
 
 import pytest
 import torch
+import yaml
 
 from model import PRESETS, ConfigError, ModelConfig, PocketLM, get_preset
+from model.config import architecture, model_name, reshape_preset
 
-from conftest import tiny_config
+from conftest import ROOT, tiny_config
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
@@ -253,6 +255,28 @@ def test_unknown_preset_lists_the_valid_ones():
         get_preset("gpt5")
     with pytest.raises(ConfigError, match=r"unknown config fields \['n_embd'\]"):
         get_preset("tiny", n_embd=64)  # a ConfigError naming the field, not a TypeError from the dataclass
+
+
+def test_the_depth_family_is_sized_by_its_layers():
+    """depth-N: 64 x N wide, heads of 64, two key-value heads where N is even (else one per head), QK-norm,
+    context 256; the demo recipe's model (mini-30m narrowed to d256/L4 with QK-norm) is depth 4, by name too."""
+    for depth, kv in ((1, 1), (3, 3), (4, 2), (6, 2), (12, 2)):
+        c = get_preset(f"depth-{depth}")
+        assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.head_dim, c.num_key_value_heads) == (
+            64 * depth, depth, depth, 64, kv)
+        assert c.qk_norm and c.max_seq_len == 256
+        PocketLM(c)  # a valid network
+    recipe = yaml.safe_load((ROOT / "recipes" / "demo-pretrain.yaml").read_text())["model"]
+    demo = reshape_preset(recipe["preset"], recipe["hidden_size"], recipe["num_hidden_layers"],
+                          recipe["max_seq_len"], qk_norm=recipe["qk_norm"])
+    assert architecture(demo) == architecture(get_preset("depth-4")) and model_name(demo) == "depth-4"
+    assert model_name(get_preset("depth-4", hidden_size=512, num_attention_heads=8)) == "d512-l4"
+
+
+@pytest.mark.parametrize("name", ["depth-0", "depth-49", "depth-x", "depth-04", "depth-", "depth--1"])
+def test_a_depth_outside_the_family_is_refused(name):
+    with pytest.raises(ConfigError, match="depth family|unknown preset"):
+        get_preset(name)
 
 
 def test_style_names_only_the_reference_architectures():

@@ -233,7 +233,7 @@ def value_problems(entry: str, args: list[str]) -> list[str]:
     """What is wrong with the values of a command's flags: a recipe or DeepSpeed file that does not exist, a preset
     that is not one, or a recipe's data file named at another path than the recipes put it (a command copied from
     one page would then not find the file the walkthrough downloaded)."""
-    from model.config import PRESETS
+    from model.config import ConfigError, preset_fields
     problems, data_files = [], recipe_data_files()
     files = ("--config", "--deepspeed") if entry.startswith("train_") else ()
     for flag, value in zip(args, args[1:]):
@@ -241,8 +241,11 @@ def value_problems(entry: str, args: list[str]) -> list[str]:
             continue
         if flag in files and not (ROOT / value).is_file():
             problems.append(f"{flag} {value}: no such file")
-        if flag == "--preset" and value not in PRESETS and value != "auto":
-            problems.append(f"--preset {value}: no such preset")
+        if flag == "--preset" and value != "auto":
+            try:
+                preset_fields(value)
+            except ConfigError:
+                problems.append(f"--preset {value}: no such preset")
     for value in args:
         name = Path(value.split(":")[0]).name
         if name in data_files and value.split(":")[0] != data_files[name]:
