@@ -1,14 +1,17 @@
 """Fit the loss model (trainer_utils/loss_model.py) to short pretraining runs of the bundled corpus.
 
-    python bench/fit_loss_model.py                                       # depths 2-6, 3 lengths each, fp32
+    python bench/fit_loss_model.py                                       # depths 2-5, 3 lengths each, fp32
     python bench/fit_loss_model.py --depths 2 3 4 --steps 120 240 --out /tmp/fit.json
+    python bench/fit_loss_model.py --holdout 6:240 4:720          # and predict runs left out of the fit
 
 Every run is a model of the depth family (`--preset depth-N`, model/config.py: 64 x depth wide, heads of 64, two
 key-value heads where the heads divide by two, QK-norm, context 256) trained with the demo recipe's settings
 (Muon at learning rate 4e-3, 20 warm-up steps, 16 sequences a step) for a given number of steps, its schedule
 completed there, in a process of its own (train_pretrain.py). A run's point is (non-embedding parameters, tokens
 trained on, final validation loss); the fit, its constants and each point's relative error are written to --out.
-A run already done (its metrics.jsonl in --runs_dir has its last step) is read, not trained again, so an
+--holdout runs (DEPTH:STEPS) are trained the same way but left out of the fit: their predicted and actual losses
+test it beyond the sizes and lengths it saw. A run already done (its metrics.jsonl in --runs_dir has its last step)
+is read, not trained again, so an
 interrupted fit continues where it stopped. The losses do not depend on the machine (fp32, one process); the time
 each run took does, and is recorded with the machine.
 """
@@ -71,36 +74,46 @@ def train(depth: int, steps: int, runs_dir: Path, dtype: str) -> tuple[dict, flo
     return record, time.perf_counter() - t0
 
 
+def run_point(depth: int, steps: int, args: argparse.Namespace) -> dict:
+    """One run's point and what it took, trained now unless it is done."""
+    cfg = family_config(depth)
+    record, seconds = train(depth, steps, args.runs_dir, args.dtype)
+    r = {"depth": depth, "steps": steps, "parameters": cfg.num_parameters(non_embedding=True),
+         "parameters_total": cfg.num_parameters(), "tokens": record["tokens_seen"], "val_loss": record["val_loss"],
+         "val_bpb": record.get("val_bpb"), "seconds": None if seconds is None else round(seconds, 1)}
+    print(f"depth {depth} ({r['parameters'] / 1e6:.2f}M non-embedding), {steps} steps, {r['tokens'] / 1e6:.2f}M "
+          f"tokens: val loss {r['val_loss']:.4f}" + (f" ({seconds:.0f} s)" if seconds else " (done before)"),
+          flush=True)
+    return r
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depths", type=int, nargs="+", default=[2, 3, 4, 5, 6])
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 3, 4, 5])
     parser.add_argument("--steps", type=int, nargs="+", default=[120, 240, 480],
                         help="run lengths (16 x 256 tokens a step: 0.5, 1 and 2M tokens by default)")
+    parser.add_argument("--holdout", nargs="*", default=[], metavar="DEPTH:STEPS",
+                        help="runs to predict, left out of the fit")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--runs_dir", type=Path, default=ROOT / "out" / "loss-model")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "loss-model-demo.json")
     args = parser.parse_args()
-    runs = []
-    for depth in args.depths:
-        cfg = family_config(depth)
-        for steps in args.steps:
-            record, seconds = train(depth, steps, args.runs_dir, args.dtype)
-            runs.append({"depth": depth, "steps": steps, "parameters": cfg.num_parameters(non_embedding=True),
-                         "parameters_total": cfg.num_parameters(), "tokens": record["tokens_seen"],
-                         "val_loss": record["val_loss"], "val_bpb": record.get("val_bpb"),
-                         "seconds": None if seconds is None else round(seconds, 1)})
-            r = runs[-1]
-            print(f"depth {depth} ({r['parameters'] / 1e6:.2f}M non-embedding), {steps} steps, "
-                  f"{r['tokens'] / 1e6:.2f}M tokens: val loss {r['val_loss']:.4f}"
-                  + (f" ({seconds:.0f} s)" if seconds else " (done before)"), flush=True)
+    holdout = [tuple(map(int, h.split(":"))) for h in args.holdout]
+    runs = [run_point(depth, steps, args) for depth in args.depths for steps in args.steps]
     result = fit([(r["parameters"], r["tokens"], r["val_loss"]) for r in runs])
     for r, error in zip(runs, result.relative_errors):
         r["predicted"] = round(result.model.loss(r["parameters"], r["tokens"]), 4)
         r["relative_error"] = round(error, 4)
+    held = [run_point(depth, steps, args) for depth, steps in holdout]
+    for r in held:
+        r["predicted"] = round(result.model.loss(r["parameters"], r["tokens"]), 4)
+        r["relative_error"] = round(r["predicted"] / r["val_loss"] - 1, 4)
+        print(f"held out: depth {r['depth']}, {r['steps']} steps: predicted {r['predicted']:.4f}, actual "
+              f"{r['val_loss']:.4f} ({r['relative_error']:+.2%})")
     report = {"machine": cpu_model(), "cores": os.cpu_count(), "dtype": args.dtype, "data": str(DATA.relative_to(ROOT)),
               "family": f"{DEPTH_PREFIX}N", "recipe": RECIPE, "parameters": "non-embedding",
               "model": {k: round(v, 6) for k, v in result.model.to_dict().items()},
-              "worst_relative_error": round(result.worst, 4), "runs": runs}
+              "worst_relative_error": round(result.worst, 4), "runs": runs, "held_out": held}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     m = result.model
     print(f"L(N, D) = {m.E:.3f} + {m.A:.4g} / N^{m.alpha:.3f} + {m.B:.4g} / D^{m.beta:.3f}; worst relative error "

@@ -230,6 +230,14 @@ INGEST_EQUIVALENT = (
                "without --out, run() stops with a ConfigError before anything is written: the fallback never names "
                "an error"),
 )
+LOSS_MODEL_EQUIVALENT = (
+    Equivalent("_log_predicted", ("theta.unbind(+1)",), "theta is (rows, 5): its last dimension is dimension 1"),
+    Equivalent("_objective", ("delta=HUBER_DELTA).sum(+1)",),
+               "the residuals are (rows, points): their last dimension is dimension 1"),
+    Equivalent("fit", ("max_iter=501,",), "L-BFGS stops on tolerance_change long before 500 iterations"),
+    Equivalent("fit", ("if value <= best_value:",),
+               "two starts ending at exactly the same objective are the same optimum: either may be kept"),
+)
 TARGETS: dict[str, Target] = {
     "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_budget_plan.py",
                                        "tests/test_properties.py"), PLAN_EQUIVALENT),
@@ -244,6 +252,7 @@ TARGETS: dict[str, Target] = {
                                   INGEST_EQUIVALENT),
     "dataset/ingest/formats/*.py": Target(("tests/test_ingest.py", "tests/test_extract.py"), EXTRACT_EQUIVALENT),
     "common/tools.py": Target(TOOL_TESTS, TOOLS_EQUIVALENT),
+    "trainer_utils/loss_model.py": Target(("tests/test_loss_model.py",), LOSS_MODEL_EQUIVALENT),
 }
 
 

@@ -92,8 +92,7 @@ def fit(points: Sequence[tuple[float, float, float]]) -> Fit:
     best, best_value = None, math.inf
     for start in starts:
         theta = start.clone().requires_grad_(True)
-        optimizer = torch.optim.LBFGS([theta], lr=1.0, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15,
-                                      line_search_fn="strong_wolfe")
+        optimizer = torch.optim.LBFGS([theta], max_iter=500, tolerance_change=1e-15, line_search_fn="strong_wolfe")
 
         def closure() -> torch.Tensor:
             optimizer.zero_grad()
