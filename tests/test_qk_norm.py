@@ -297,7 +297,9 @@ def test_zero_init_residual_is_an_init_choice_not_architecture():
     cfg = get_preset("minimind-26m", zero_init_residual=True)
     assert model_name(cfg) == "minimind-26m" and "zero_init_residual" not in architecture(cfg)
     assert cfg.num_parameters() == get_preset("minimind-26m").num_parameters()
-    assert model_name(get_preset("minimind-26m", qk_norm=True)) == "d512-l8"  # QK-norm is architecture
+    # QK-norm is architecture: minimind-26m with it is another shape, the depth family's depth-8
+    assert model_name(get_preset("minimind-26m", qk_norm=True)) == "depth-8"
+    assert model_name(get_preset("minimind-26m", qk_norm=True, num_key_value_heads=4)) == "d512-l8"
 
 
 # ------------------------------------------------------------------------------ trainer flags
