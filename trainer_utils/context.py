@@ -3,8 +3,8 @@
 The loop (trainer_utils/loop.py) builds one RunContext per Trainer and hands it to the stage's hooks (`prepare`,
 `before_loss`) and to every component; the Session builds a SetupContext for the stage's setup hooks
 (`check_session`, `record_tokens`, `objective`), which run before any model exists. What they may read is listed
-here, field by field; what they may do to the run goes through `control` (save a checkpoint, re-plan the end,
-sync the device-side counters); what they produce (the numbers they measured, a re-planned time budget, a stop)
+here, field by field; what they may do to the run goes through `control` (save a checkpoint, sync the
+device-side counters); what they produce (the numbers they measured, a re-planned time budget, a stop)
 they return in a Report, which the loop records: the measurements in the context's `measured`, where the other
 components and the checkpoint read them.
 

@@ -72,7 +72,8 @@ class Trainer:
     """Runs optimizer steps until max_steps, a stop signal, or a component's Stop (early stopping; non-finite
     trouble, which ends it with `fallback` set when the run should continue in a wider precision). It owns the
     step, the backend, the model, optimizer and schedule. The stage's hooks and the components see the run through
-    its RunContext (trainer_utils/context.py), and ask the loop for a checkpoint or a re-plan through it."""
+    its RunContext (trainer_utils/context.py), ask the loop for a checkpoint through it, and return what they
+    produce (a Report: measurements, a re-planned time budget, a Stop), which the loop records."""
 
     state = OnContext()
     logger = OnContext()

@@ -86,7 +86,7 @@ class Precision:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
-# ------------------------------------------------------------------------------ RNG state
+# ------------------------------------------------------------------------------ the memory allocator
 # mallopt()'s parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 TOP_PAD = 64 << 20  # the heap grows by this much beyond what is asked: fewer, larger extensions
@@ -113,6 +113,7 @@ def tune_allocator() -> bool:
                ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, TOP_PAD)))
 
 
+# ------------------------------------------------------------------------------ RNG state
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
