@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.portable import portable  # noqa: E402
-from common.device import choose_dtype, cpu_model, dtype_name, parse_device, synchronize  # noqa: E402
+from common.device import choose_dtype, cpu_model, dtype_name, parse_device, synchronize, timed  # noqa: E402
 from dataset.config import DataConfig, training_data  # noqa: E402
 from dataset.preference import PreferenceDataset  # noqa: E402
 from dataset.tokenizer import Tokenizer  # noqa: E402
@@ -112,12 +112,7 @@ def make_step(policy: PocketLM, reference: PocketLM, optimizer: torch.optim.Opti
 
 def time_block(step: Callable[[Batch], None], batches: list[Batch], steps: int, device: torch.device) -> float:
     """Mean seconds per step over `steps` steps cycling through `batches` from the first."""
-    synchronize(device)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        step(batches[i % len(batches)])
-    synchronize(device)
-    return (time.perf_counter() - t0) / steps
+    return timed(lambda: [step(batches[i % len(batches)]) for i in range(steps)], device) / steps
 
 
 def time_variants(steps: dict[str, Callable[..., Any]], batches: list, args: argparse.Namespace,

@@ -54,7 +54,7 @@ from common.device import (  # noqa: E402
     dtype_name,
     parse_device,
     precision_policy,
-    synchronize,
+    timed,
 )
 from model import ModelConfig, PocketLM  # noqa: E402
 from model.config import config_from_flags, get_preset  # noqa: E402
@@ -87,12 +87,7 @@ def peak_rss_gb() -> float:
 
 def seconds_per_call(fn, n: int, device: torch.device) -> float:
     """Mean seconds of n calls of fn, the device's queued work included."""
-    synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    synchronize(device)
-    return (time.perf_counter() - t0) / n
+    return timed(lambda: [fn() for _ in range(n)], device) / n
 
 
 class BareStep:
