@@ -29,10 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.device import cpu_model  # noqa: E402
 from model.config import DEPTH_PREFIX, get_preset  # noqa: E402
-from trainer_utils.loss_model import fit  # noqa: E402
+from trainer_utils.loss_model import FIT_DATA, RECIPE, fit  # noqa: E402
 
-RECIPE = dict(learning_rate=4e-3, warmup_steps=20, batch_size=16)  # recipes/demo-pretrain.yaml's
-DATA = ROOT / "dataset" / "demo" / "pretrain_demo.jsonl"
+DATA = ROOT / FIT_DATA
 
 
 def family_config(depth: int):

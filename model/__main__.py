@@ -50,7 +50,8 @@ class PlanOptions:
     device: str = option("auto", "where to time the steps: auto, cpu, cuda, cuda:N, mps")
     data_path: str | None = option(None, "the pretraining JSONL to train on: its tokens (estimated) bound the epochs",
                                    metavar="F.jsonl")
-    presets: list[str] = option([], "presets to time (default: all but tiny)", several=True, metavar="NAME")
+    presets: list[str] = option([], "presets to plan (default: the depth family, depth-1 to depth-48)", several=True,
+                                metavar="NAME")
 
 
 @dataclass

@@ -434,7 +434,8 @@ def model_flags() -> list[tuple[str, Any, Any]]:
         # not argparse choices: an unknown name is one `error:` line naming the presets, like every bad value
         "preset", str | None, option(None, f"model shape of a new model: {', '.join(PRESETS)}, or {DEPTH_PREFIX}N "
                                            f"(N layers of the depth family, docs/model.md) (default: "
-                                           f"{DEFAULT_PRESET}); not with --init_from, which brings its own",
+                                           f"{DEFAULT_PRESET}); pretraining with --time_budget also takes auto, the "
+                                           "depth the plan picks for it; not with --init_from, which brings its own",
                                      metavar="NAME"))]
     for f in dataclasses.fields(ModelConfig):
         if "role" in f.metadata:

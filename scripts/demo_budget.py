@@ -1,14 +1,15 @@
 """The training flags of each `make demo` stage: a share of the time the demo has left, so the whole demo, installing
 included, ends within its budget (10 minutes by default) on whatever machine runs it.
 
-    python scripts/demo_budget.py pretrain --start 1733390000 --total 10m     # "--time_budget 312s --max_steps .."
+    python scripts/demo_budget.py pretrain --start 1733390000 --total 10m     # "--time_budget 312s ... --preset auto"
     python scripts/demo_budget.py sft --start 1733390000 --total 10m --steps 150  # "--max_steps 150"
 
 `make demo` notes the time it starts (before installing) and asks before each training stage. Pretraining gets
 PRETRAIN_SHARE of what is left after the evaluation that follows the training (AFTER_S); SFT gets the rest, so
 whatever pretraining did not use goes to it. Each trainer then plans its steps from its own measured step time
-(--time_budget: trainer_utils/budget.py), on a CPU with or without native bf16 and on a GPU alike. --steps trains
-that many steps instead (`make demo DEMO_PRETRAIN_STEPS=450`), whatever the time.
+(--time_budget: trainer_utils/budget.py), on a CPU with or without native bf16 and on a GPU alike; pretraining's
+model is the one the plan picks for its share (--preset auto: trainer_utils/planner.py). --steps trains that many
+steps of the recipe's model instead (`make demo DEMO_PRETRAIN_STEPS=450`), whatever the time.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def stage_flags(stage: str, start: float, total_s: float, now: float, steps: int
         note = (f"note: the demo has {format_duration(max(0.0, left + AFTER_S))} of its "
                 f"{format_duration(total_s)} left; {stage} trains for {format_duration(MIN_STAGE_S)} anyway")
         budget = MIN_STAGE_S
-    return f"--time_budget {round(budget)}s --max_steps {MAX_STEPS[stage]}", note
+    flags = f"--time_budget {round(budget)}s --max_steps {MAX_STEPS[stage]}"
+    return flags + (" --preset auto" if stage == "pretrain" else ""), note
 
 
 def main(argv: list[str] | None = None) -> int:

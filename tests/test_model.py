@@ -259,16 +259,15 @@ def test_unknown_preset_lists_the_valid_ones():
 
 def test_the_depth_family_is_sized_by_its_layers():
     """depth-N: 64 x N wide, heads of 64, two key-value heads where N is even (else one per head), QK-norm,
-    context 256; the demo recipe's model (mini-30m narrowed to d256/L4 with QK-norm) is depth 4, by name too."""
+    context 256; depth 4, the demo recipe's model, is mini-30m narrowed to d256/L4 with QK-norm, by name too."""
     for depth, kv in ((1, 1), (3, 3), (4, 2), (6, 2), (12, 2)):
         c = get_preset(f"depth-{depth}")
         assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.head_dim, c.num_key_value_heads) == (
             64 * depth, depth, depth, 64, kv)
         assert c.qk_norm and c.max_seq_len == 256
         PocketLM(c)  # a valid network
-    recipe = yaml.safe_load((ROOT / "recipes" / "demo-pretrain.yaml").read_text())["model"]
-    demo = reshape_preset(recipe["preset"], recipe["hidden_size"], recipe["num_hidden_layers"],
-                          recipe["max_seq_len"], qk_norm=recipe["qk_norm"])
+    assert yaml.safe_load((ROOT / "recipes" / "demo-pretrain.yaml").read_text())["model"] == {"preset": "depth-4"}
+    demo = reshape_preset("mini-30m", 256, 4, 256, qk_norm=True)
     assert architecture(demo) == architecture(get_preset("depth-4")) and model_name(demo) == "depth-4"
     assert model_name(get_preset("depth-4", hidden_size=512, num_attention_heads=8)) == "d512-l4"
 

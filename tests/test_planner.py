@@ -1,10 +1,13 @@
-"""`python -m model --plan`: measured and estimated speeds, the budget's arithmetic, the data's epochs, memory,
-the recommendation and its command line, and bad input. The printed plan is checked whole against hand-written
-text, and plan's, the timing's and the data estimate's arithmetic by hand, with the clock, the step, the presets and
-the tokenizer stubbed."""
+"""`python -m model --plan` and `train_pretrain.py --preset auto`: measured and estimated speeds, which candidates
+are timed, the budget's arithmetic, the data's epochs, memory, the loss each candidate expects and the pick, its
+command line, and bad input. The printed plan is checked whole against hand-written text, and plan's, the timing's
+and the data estimate's arithmetic by hand, with the clock, the step, the presets, the loss model and the
+tokenizer stubbed."""
 from __future__ import annotations
 
+import json
 import math
+import random
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,11 +24,12 @@ from model.memory import estimate_memory
 from trainer_utils import planner
 from trainer_utils.backend import Comm, TorchBackend
 from trainer_utils.config import OptimConfig
+from trainer_utils.loss_model import FIT_RESULTS, SHIPPED, LossModel
 from trainer_utils.optim import MuonWithAdamW
 from trainer_utils.planner import PresetRow, data_tokens
 from trainer_utils.runtime import Precision
 
-from conftest import demo_records, write_jsonl
+from conftest import ROOT, demo_records, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +38,23 @@ def small_corpus(tmp_path_factory):
 
 
 def test_the_table_of_tiny_presets_is_consistent(small_corpus):
-    # tiny is timed; mini-30m's step, predicted from tiny's FLOP rate, exceeds max_step_s: it is estimated
-    # 10 minutes, so that tiny reads the small corpus more than 4 times even on a loaded machine (> 121 tokens/s)
+    # tiny is timed (the cheapest step is timed first); mini-30m's step, predicted from tiny's FLOP rate, exceeds
+    # max_step_s: it is estimated. 10 minutes: tiny reads the small corpus more than 4 times even on a loaded
+    # machine (> 121 tokens/s)
     rows, best, reason, header = planner.plan(600.0, "cpu", str(small_corpus), ["mini-30m", "tiny"],
                                               seq_len=64, max_step_s=1e-9, min_seconds=0.05)
     tiny, mini = rows
     assert (tiny.name, mini.name) == ("tiny", "mini-30m")  # cheapest step first
     assert tiny.speed_measured and not mini.speed_measured and not tiny.peak_measured  # CPU: memory estimated
-    assert tiny.tokens_per_s > mini.tokens_per_s and tiny.batch_size == mini.batch_size == 8  # all fit at 8
+    assert tiny.tokens_per_s > mini.tokens_per_s and tiny.batch_size == mini.batch_size == 16  # the recipe's batch
     n_data = data_tokens(small_corpus)
     for r in rows:  # 10 minutes: 540 s of it in steps
         assert r.budget_tokens == pytest.approx(r.tokens_per_s * 540) and r.epochs == pytest.approx(
             r.budget_tokens / n_data)
+        assert r.expected_loss == SHIPPED.loss(r.non_embedding, r.trained_tokens)
     assert tiny.epochs > 4 and tiny.trained_tokens == pytest.approx(4 * n_data)  # 4 of its many epochs count
-    assert best is tiny  # the most tokens for each parameter, still far below 20
-    assert "(estimated from its first" in header and "cpu" in header
+    assert best is min(rows, key=lambda r: r.expected_loss)
+    assert "(estimated from the first" in header and "cpu" in header
     text = planner.table(rows, best)
     assert "(est.)" in text.splitlines()[3] and "⭐" in text
     assert best.name in reason
@@ -69,59 +75,63 @@ def test_bad_data_names_its_line(tmp_path):
         data_tokens(tmp_path / "missing.jsonl")
 
 
-def row(name, params, tokens_per_parameter=None, fits=True, tps=1e3):
-    """A preset's row; tokens_per_parameter sets what it trains in the budget, by hand."""
-    r = PresetRow(name, params, 8, 512, tps, True, 0, False, fits)
-    if tokens_per_parameter is not None:
-        r.budget_tokens = r.trained_tokens = tokens_per_parameter * params
+def row(name, params, loss=None, fits=True, tps=1e3, trained=1e6, non_embedding=None):
+    """A candidate's row, its expected loss and tokens set by hand."""
+    r = PresetRow(name, params, non_embedding or params, 16, 256, tps, True, 0, False, fits)
+    if fits:
+        r.budget_tokens = r.trained_tokens = trained
+        r.expected_loss = loss
     return r
 
 
 def test_what_a_budget_buys_by_hand():
-    r = row("a", 1e6, tps=1000.0)  # an hour at 1000 tokens/s, 90% of it in steps: 3,240,000 tokens
-    planner.buy(r, 3600.0, n_data=500_000)  # 4 epochs of 500,000 tokens: 2,000,000 are worth training
-    assert (r.budget_tokens, r.trained_tokens, r.epochs, r.tokens_per_parameter) == (3_240_000, 2_000_000, 6.48, 2.0)
-    planner.buy(r, 3600.0, n_data=None)  # no data given: no limit
+    r = row("a", 1e6, tps=1000.0, non_embedding=1e4)  # an hour at 1000 tokens/s, 90% of it in steps: 3,240,000
+    model = LossModel(E=2.0, A=100.0, alpha=0.5, B=1000.0, beta=0.5)  # 2 + 100 / 100 + 1000 / sqrt(tokens)
+    planner.buy(r, 3600.0, n_data=250_000, loss_model=model)  # 4 epochs of 250,000 tokens: 1,000,000 count
+    assert (r.budget_tokens, r.trained_tokens, r.epochs, r.tokens_per_parameter) == (3_240_000, 1_000_000, 12.96, 1.0)
+    assert r.expected_loss == 4.0  # 2 + 1 + 1000 / 1000: the tokens that count, the non-embedding parameters
+    planner.buy(r, 3600.0, n_data=None, loss_model=model)  # no data given: no limit
     assert (r.trained_tokens, r.epochs, r.tokens_per_parameter) == (3_240_000, None, 3.24)
+    assert r.expected_loss == pytest.approx(3.0 + 1000 / 1800)
+    planner.buy(r, 3600.0, n_data=None)  # the shipped loss model by default
+    assert r.expected_loss == SHIPPED.loss(1e4, 3_240_000)
 
 
-def test_the_recommendation_is_nearest_twenty_tokens_per_parameter_by_ratio():
-    assert planner.recommend([row("a", 10e6, 19.44), row("b", 25e6, 3.888), row("c", 100e6, 0.2592)]).name == "a"
-    # 35 is 1.75x the rule, 8 is 2.5x below it: by ratio 35 is nearer (by difference 8 would be)
-    assert planner.recommend([row("small", 10e6, 35.0), row("large", 40e6, 8.0)]).name == "small"
-    assert planner.recommend([row("a", 10e6, 20.0, fits=False), row("b", 40e6, 2.0)]).name == "b"
-    assert planner.recommend([row("a", 10e6, 20.0, fits=False)]) is None
+def test_the_shipped_loss_model_is_the_recorded_fit():
+    recorded = json.loads((ROOT / FIT_RESULTS).read_text())
+    assert LossModel.from_dict(recorded["model"]) == SHIPPED
+    assert recorded["recipe"] == planner.RECIPE and recorded["parameters"] == "non-embedding"
 
 
-def test_the_reason_says_what_holds_for_the_larger_presets():
-    data_bound = row("a", 1e6, 4.0)
-    data_bound.budget_tokens, data_bound.epochs = 60e6, 240.0
-    assert "the data is the limit" in planner.why(data_bound, [data_bound], 1e6)
-    assert "the smallest learns the most" in planner.why(row("a", 100e6, 1.0), [], None)
-    assert planner.why(None, [], None).startswith("no preset fits")
-    best = row("small", 10e6, 200.0)  # 10x the rule: why not larger?
-    too_big = planner.why(best, [best, row("big", 100e6, fits=False)], None)
-    assert "; big does not fit in memory" in too_big
-    farther = planner.why(best, [best, row("big", 100e6, 2.0)], None)  # fits, and 10x below the rule
-    assert "the next larger that fits, big, would train 2 tokens per parameter" in farther
-    assert "fit in memory" not in farther
-    assert "it is the largest preset planned" in planner.why(best, [best, row("smaller", 1e6, 2000.0)], None)
+def test_the_pick_is_the_lowest_expected_loss_that_fits():
+    assert planner.recommend([row("a", 10e6, 4.0), row("b", 25e6, 3.5), row("c", 100e6, 3.9)]).name == "b"
+    assert planner.recommend([row("a", 10e6, 4.0), row("b", 40e6, 4.0)]).name == "a"  # the first of equals
+    assert planner.recommend([row("a", 10e6, fits=False), row("b", 40e6, 9.0)]).name == "b"
+    assert planner.recommend([row("a", 10e6, fits=False)]) is None
+    rng = random.Random(0)  # and for any rows, the minimum of those that fit
+    for _ in range(200):
+        rows = [row(str(i), 1e6, rng.uniform(2, 6), fits=rng.random() < 0.7) for i in range(rng.randint(1, 8))]
+        fitting = [r.expected_loss for r in rows if r.fits]
+        best = planner.recommend(rows)
+        assert (best is None) == (not fitting) and (best is None or best.expected_loss == min(fitting))
 
 
 def test_a_cpu_plan_checks_memory_at_the_batch_its_command_trains(monkeypatch):
     dtype = choose_dtype("auto", torch.device("cpu"), "train").dtype
-    peak = {b: estimate_memory(get_preset("tiny"), b, 64, dtype, optimizer=planner.OPTIMIZER).peak for b in (4, 8)}
-    assert peak[4] < peak[8]
-    monkeypatch.setattr(planner, "device_memory", lambda device: math.ceil(peak[4] / planner.MEMORY_SHARE))
+    peak = {b: estimate_memory(get_preset("tiny"), b, 64, dtype, optimizer=planner.OPTIMIZER).peak for b in (8, 16)}
+    assert peak[8] < peak[16]
+    monkeypatch.setattr(planner, "device_memory", lambda device: math.ceil(peak[8] / planner.MEMORY_SHARE))
     rows, best, _, _ = planner.plan(60.0, "cpu", None, ["tiny"], seq_len=64, min_seconds=0.05)
-    assert best.batch_size == 4 and best.peak_bytes == peak[4]  # batch 8 would not fit
+    assert best.batch_size == 8 and best.peak_bytes == peak[8]  # the recipe's 16 would not fit
 
 
 def test_a_preset_that_does_not_fit_is_shown_and_never_recommended(monkeypatch):
     monkeypatch.setattr(planner, "device_memory", lambda device: 100 << 20)  # 100 MiB: only tiny fits
-    rows, best, _, header = planner.plan(60.0, "cpu", None, ["tiny", "minimind-104m"], seq_len=64, min_seconds=0.05)
+    rows, best, reason, header = planner.plan(60.0, "cpu", None, ["tiny", "minimind-104m"], seq_len=64,
+                                              min_seconds=0.05)
     assert [r.fits for r in rows] == [True, False] and best.name == "tiny"
     assert header.endswith("; 90% of it in training steps")  # no data given: nothing said of it
+    assert reason.endswith("; larger ones do not fit in memory")
     assert "does not fit" in planner.table(rows, best)
 
 
@@ -131,17 +141,10 @@ def test_the_command_line_trains_the_recommendation(small_corpus, capsys):
                            "--presets", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "| tiny ⭐ |" in out and "recommended: tiny" in out
-    line = next(s for s in out.splitlines() if "train_pretrain.py" in s)
-    assert f"--preset tiny --data_path {small_corpus} --time_budget 5m --batch_size 8" in line
+    line = next(s for s in out.splitlines() if "train_pretrain.py --preset tiny" in s)
+    assert f"--preset tiny --data_path {small_corpus} --time_budget 5m --batch_size 16" in line
     assert "--epochs 4" in line  # many epochs of a small file fit in the budget: --epochs must allow them
-
-
-def test_a_short_run_gets_the_short_run_learning_rate():
-    # batches of 8 x 512 = 4,096 tokens: 1,000 steps are 4,096,000 tokens
-    short, long = row("a", 10e6, 0.4), row("a", 10e6, 0.5)  # 4,000,000 and 5,000,000 tokens
-    for flag in planner.SHORT_RUN_FLAGS:
-        assert flag in planner.command(short, "1h", "d.jsonl")
-        assert flag not in planner.command(long, "1h", "d.jsonl")
+    assert f"--preset auto --time_budget 5m --data_path {small_corpus}" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -157,9 +160,9 @@ def test_bad_plan_flags_are_one_line_errors(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
 
 
-def test_an_update_costs_the_same_for_any_batch():
+def test_an_update_costs_its_newton_schulz_flops():
     t = planner.StepTime(backward_s=0.5, update_s=2.0, peak_bytes=None)
-    assert t.step_s() == 2.5 and t.step_s(8) == 6.0  # 8x the batch: 8x the backward, one update
+    assert t.step_s == 2.5
     cfg = get_preset("tiny")  # d64, 2 layers, 4 heads of 16, 2 key heads, ffn 192: q, k, v, o, gate, up, down
     d, kv, f = 64, 32, 192
     shapes = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (f, d), (d, f)] * 2
@@ -167,114 +170,138 @@ def test_an_update_costs_the_same_for_any_batch():
     assert planner.newton_schulz_flops(cfg) == expected
 
 
+def test_an_estimated_step_takes_each_part_at_its_own_rate():
+    # timed: 1,000 backward FLOPs in 0.5 s (2,000/s), 300 Newton-Schulz FLOPs in 0.25 s (1,200/s)
+    timed, t = planner.Work(None, 1000.0, 300.0), planner.StepTime(0.5, 0.25, None)
+    assert planner.Work(None, 4000.0, 600.0).seconds(timed, t) == 2.0 + 0.5
+    assert planner.Work(None, 4000.0, 0.0).seconds(timed, t) == 2.0
+    # a timed step without Newton-Schulz work (AdamW): its update tells nothing of another's, counted as free
+    assert planner.Work(None, 4000.0, 600.0).seconds(planner.Work(None, 1000.0, 0.0), t) == 2.0
+    work = {"a": planner.Work(None, 100.0, 0.0), "b": planner.Work(None, 1000.0, 0.0)}
+    times = {"a": planner.StepTime(1.0, 0.0, None), "b": planner.StepTime(1.0, 0.0, None)}
+    # 400 FLOPs are nearer 100 than 1,000 by ratio (4x against 2.5x): b's rate, 1,000/s; 300 is nearer 100 (3x)
+    assert planner.estimated_step_s(planner.Work(None, 400.0, 0.0), work, times) == 0.4
+    assert planner.estimated_step_s(planner.Work(None, 300.0, 0.0), work, times) == 3.0
+
+
 # ---------------------------------------------------------------------------- the printed plan, checked whole
-def fitting(name, params, batch, seq, tps, budget, trained, epochs, peak, speed_measured=True, peak_measured=False):
+def fitting(name, params, batch, seq, tps, budget, trained, epochs, peak, loss, speed_measured=True,
+            peak_measured=False):
     """A row that fits, every figure set by hand (what plan and buy would fill in)."""
-    return PresetRow(name, params, batch, seq, tps, speed_measured, peak, peak_measured, True, budget, trained, epochs)
+    return PresetRow(name, params, params, batch, seq, tps, speed_measured, peak, peak_measured, True, budget, trained,
+                     epochs, loss)
 
 
 def test_the_table_prints_every_figure():
     # alpha: 246,913,560 / 12,345,678 = exactly 20 tokens per parameter; 6.48 epochs print as 6.5
-    alpha = fitting("alpha", 12_345_678, 8, 512, 12_345.6, 1e9, 246_913_560, 6.48, 3 << 30, peak_measured=True)
+    alpha = fitting("alpha", 12_345_678, 8, 512, 12_345.6, 1e9, 246_913_560, 6.48, 3 << 30, 3.456,
+                    peak_measured=True)
     # beta: estimated speed and memory; 999,950,500 tokens are 999.9505M, printed 1,000.0 (a unit off by a
     # millionth would be 0.001M less and print 999.9); 1e5 / 104e6 = 0.000961538... tokens per parameter
-    beta = fitting("beta", 104_000_000, 2, 1024, 1_500.4, 999_950_500, 1e5, None, 1536 << 30, speed_measured=False)
+    beta = fitting("beta", 104_000_000, 2, 1024, 1_500.4, 999_950_500, 1e5, None, 1536 << 30, 10.0,
+                   speed_measured=False)
     # eps: 1e5 tokens is where K turns to M
-    eps = fitting("eps", 1e6, 1, 8, 0.5, 1e5, 1e5, 2.0, 0)
+    eps = fitting("eps", 1e6, 1, 8, 0.5, 1e5, 1e5, 2.0, 0, 123.456)
     # gamma: 99,999 tokens = 99.999K, printed 100.0K; 0.123 epochs print as 0.12
-    gamma = fitting("gamma", 50_000, 1, 64, 1_234.4, 99_999, 100_000, 0.123, 1 << 29)
+    gamma = fitting("gamma", 50_000, 1, 64, 1_234.4, 99_999, 100_000, 0.123, 1 << 29, 4.994)
     # delta: 1,000,000,005,400,000 tokens are 1,000,000.0054B, printed .01 (a unit off by a billionth would be
     # 0.001B less and print .00)
-    delta = fitting("delta", 1_000, 4, 256, 5e6, 1_000_000_005_400_000, 2_000, 1.0, 1 << 30)
+    delta = fitting("delta", 1_000, 4, 256, 5e6, 1_000_000_005_400_000, 2_000, 1.0, 1 << 30, 0.0)
     # huge: 100,000,040,000 parameters are 100,000.04M, printed .0 (a unit off by a millionth would be 0.1M less
     # and print 99999.9); not fitting, it prints no figures, and the rows after it are still printed
-    huge = PresetRow("huge", 100_000_040_000, 1, 2048, None, False, 20 << 30, False, False)
+    huge = PresetRow("huge", 100_000_040_000, 1, 1, 2048, None, False, 20 << 30, False, False)
     assert planner.table([alpha, beta, huge, gamma, delta, eps], alpha).splitlines() == [
-        "| preset | params | batch | tokens/s | tokens in budget | tokens/param | epochs of data | peak memory |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|",
-        "| alpha ⭐ | 12.3M | 8×512 | 12,346 | 1.00B | 20 | 6.5 | 3.00 GiB |",
-        "| beta | 104.0M | 2×1024 | 1,500 (est.) | 1,000.0M | 0.000962 | – | 1,536.00 GiB (est.) |",
-        "| huge | 100000.0M | – | does not fit | – | – | – | 20.00 GiB (est.) |",
-        "| gamma | 0.1M | 1×64 | 1,234 | 100.0K | 2 | 0.12 | 0.50 GiB (est.) |",
-        "| delta | 0.0M | 4×256 | 5,000,000 | 1,000,000.01B | 2 | 1 | 1.00 GiB (est.) |",
-        "| eps | 1.0M | 1×8 | 0 | 0.1M | 0.1 | 2 | 0.00 GiB (est.) |",
+        "| preset | params | batch | tokens/s | tokens in budget | tokens/param | epochs of data | expected loss "
+        "| peak memory |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| alpha ⭐ | 12.3M | 8×512 | 12,346 | 1.00B | 20 | 6.5 | 3.46 | 3.00 GiB |",
+        "| beta | 104.0M | 2×1024 | 1,500 (est.) | 1,000.0M | 0.000962 | – | 10.00 | 1,536.00 GiB (est.) |",
+        "| huge | 100000.0M | – | does not fit | – | – | – | – | 20.00 GiB (est.) |",
+        "| gamma | 0.1M | 1×64 | 1,234 | 100.0K | 2 | 0.12 | 4.99 | 0.50 GiB (est.) |",
+        "| delta | 0.0M | 4×256 | 5,000,000 | 1,000,000.01B | 2 | 1 | 0.00 | 1.00 GiB (est.) |",
+        "| eps | 1.0M | 1×8 | 0 | 0.1M | 0.1 | 2 | 123.46 | 0.00 GiB (est.) |",
     ]
     # the star follows the recommendation, and a plan without one stars nothing
     assert "| huge ⭐ | 100000.0M | – | does not fit |" in planner.table([alpha, huge], huge)
     assert "⭐" not in planner.table([alpha, huge], None)
 
 
-REASON = ("a: {} tokens per parameter in the budget, the nearest to the ~20 of compute-optimal training (Hoffmann et "
-          "al. 2022)")
+def test_the_rows_shown_are_the_timed_the_pick_s_neighbours_and_the_first_too_big():
+    rows = [row(f"d{i}", 1e6 * i, 5.0, tps=1.0) for i in range(1, 16)] + [row("big", 1e9, fits=False),
+                                                                            row("bigger", 2e9, fits=False)]
+    for r in rows:
+        r.speed_measured = r.name in ("d1", "d6", "d7")
+    best = rows[9]  # d10
+    assert [r.name for r in planner.shown(rows, best)] == ["d1", "d6", "d7", "d8", "d9", "d10", "d11", "d12", "big"]
+    assert [r.name for r in planner.shown(rows, rows[0])] == ["d1", "d2", "d3", "d6", "d7", "big"]  # the first
+    assert [r.name for r in planner.shown(rows, None)] == ["d1", "d6", "d7", "big"]
+    assert planner.shown(rows[:8], rows[3]) == rows[:8]  # few: every row
 
 
-@pytest.mark.parametrize("tpp,n_data,suffix", [
-    (4.0, None, "; the budget is short for every preset, so the smallest learns the most"),  # below 20 / 4 = 5
-    (5.0, None, ""),  # 5 is not short: the rule's quarter is the bound
-    (80.0, None, ""),  # nor is 80 (4 x 20) too much
-    (20.0, 1e6, ""),  # the data is known but all the budget's tokens count: it is no limit
-])
-def test_the_reason_whole_for_a_budget_near_the_rule(tpp, n_data, suffix):
-    best = row("a", 1e6, tpp)
-    assert planner.why(best, [best, row("b", 1e9, fits=False)], n_data) == REASON.format(f"{tpp:g}") + suffix
-
-
-def test_the_reason_whole_when_the_data_is_the_limit():
-    best = row("a", 1e6, 4.0)  # 4M of the 60M tokens the budget buys count: 4 epochs of 1M tokens
-    best.budget_tokens, best.epochs = 60e6, 60.0
-    assert planner.why(best, [best], 1e6) == REASON.format(4) + (
-        "; the data is the limit: the budget would read it 60 times, and past 4 epochs repeating adds little, so "
-        "larger presets would need more text")
-    assert planner.why(None, [], None) == "no preset fits in this device's memory even at batch 1"
+REASON = "b: the lowest expected validation loss, 3.50, after 2.0M tokens (0.1 per parameter)"
 
 
 @pytest.mark.parametrize("others,suffix", [
-    # listed out of order: the larger presets are taken by size, those that do not fit named in that order
-    ([row("huge", 300e6, fits=False), row("big", 100e6, fits=False), row("bigger", 200e6, 2.0),
-      row("smaller", 1e6, 2000.0), row("large", 250e6, 1.0)],
-     "; big, huge do not fit in memory; the next larger that fits, bigger, would train 2 tokens per parameter, "
-     "farther from it"),
-    ([row("big", 100e6, fits=False)], "; big does not fit in memory"),  # larger presets, none fits
-    ([row("twin", 10e6, fits=False), row("smaller", 1e6, 2000.0)], "; it is the largest preset planned"),  # same size
-    ([row("twin", 10e6, 300.0)], "; it is the largest preset planned"),
+    # its neighbours in size, the smaller first, whatever order the rows come in (by non-embedding parameters)
+    ([row("c", 40e6, 3.75, trained=1e6), row("a", 10e6, 3.625, trained=4e6), row("z", 1e6, 9.0)],
+     "; a expects 3.62 after 4.0M, c expects 3.75 after 1.0M"),
+    ([row("a", 10e6, 4.0, trained=4e6)], "; a expects 4.00 after 4.0M"),  # the largest: no larger one planned
+    ([row("a", 10e6, 4.0, trained=4e6), row("big", 1e9, fits=False)],
+     "; a expects 4.00 after 4.0M; larger ones do not fit in memory"),
+    ([row("c", 40e6, 4.0), row("big", 1e9, fits=False)], "; c expects 4.00 after 1.0M"),  # one larger fits
+    ([row("small", 1e6, fits=False)], ""),  # alone
 ])
-def test_the_reason_whole_when_the_budget_buys_more_than_the_rule(others, suffix):
-    best = row("a", 10e6, 81.0)  # just over 4 x 20
-    assert planner.why(best, [best, *others], None) == REASON.format(81) + suffix
+def test_the_reason_whole(others, suffix):
+    best = row("b", 20e6, 3.5, trained=2e6)
+    assert planner.why(best, [best, *others]) == REASON + suffix
 
 
-@pytest.mark.parametrize("trained,epochs,data_path,expected", [
-    # 4,096,000 tokens in batches of 8 x 512 are 1,000 steps: not a short run; 6.48 epochs are capped at 4
-    (4_096_000, 6.48, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 8 --epochs 4"),
-    # 4,095,999 tokens are just under 1,000 steps: the short run's flags; 1.2 epochs need --epochs 2
-    (4_095_999, 1.2, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 8 --epochs 2 --qk_norm "
-                                "--learning_rate 4e-3 --warmup_steps 20"),
-    (8e6, 2.0, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 8 --epochs 2"),
-    (8e6, 0.5, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 8"),  # under an epoch: the default 1
-    (8e6, None, None, "--data_path YOUR.jsonl --time_budget 1h --batch_size 8"),  # no data given
+def test_the_reason_whole_when_the_data_is_the_limit():
+    best = row("b", 20e6, 3.5, trained=2e6)  # 2M of the 60M tokens the budget buys count: 4 epochs of 0.5M
+    best.budget_tokens, best.epochs = 60e6, 120.0
+    assert planner.why(best, [best]) == REASON + (
+        "; the data is the limit: the budget would read it 120 times, and past 4 epochs repeating adds little")
+    assert planner.why(None, []) == "nothing fits in this device's memory even at batch 1"
+
+
+@pytest.mark.parametrize("name,epochs,data_path,expected", [
+    # the recipe's settings the loss model was fitted with; 6.48 epochs are capped at 4
+    ("depth-3", 6.48, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.004 "
+                                 "--warmup_steps 20 --epochs 4"),
+    ("depth-3", 1.2, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.004 "
+                                "--warmup_steps 20 --epochs 2"),
+    ("depth-3", 0.5, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.004 "
+                                "--warmup_steps 20"),  # under an epoch: the default 1
+    ("depth-3", None, None, "--data_path YOUR.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.004 "
+                            "--warmup_steps 20"),  # no data given
+    # a preset without QK-norm gets it (the depth family has it): the recipe's learning rate needs it
+    ("mini-30m", 2.0, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.004 "
+                                 "--warmup_steps 20 --epochs 2 --qk_norm"),
 ])
-def test_the_command_line_whole(trained, epochs, data_path, expected):
-    best = row("a", 10e6)
-    best.trained_tokens, best.epochs = trained, epochs
-    assert planner.command(best, "1h", data_path) == (
-        "python train_pretrain.py --preset a " + expected)
+def test_the_command_line_whole(name, epochs, data_path, expected):
+    best = row(name, 10e6)
+    best.epochs = epochs
+    assert planner.command(best, "1h", data_path) == f"python train_pretrain.py --preset {name} " + expected
 
 
 # ---------------------------------------------------------------------------- plan's arithmetic, with stub presets
 class FakeConfig:
-    """A preset for plan with round numbers: FLOPs per token, Newton-Schulz FLOPs, bytes per sequence of a batch."""
+    """A candidate for plan with round numbers: parameters (all, non-embedding), FLOPs per token, Newton-Schulz
+    FLOPs, bytes per sequence of a batch."""
 
-    def __init__(self, params, max_seq_len, flops, ns, mem):
-        self.params, self.max_seq_len, self.flops, self.ns, self.mem = params, max_seq_len, flops, ns, mem
+    def __init__(self, params, non_embedding, max_seq_len, flops, ns, mem):
+        self.params, self.non_embedding, self.max_seq_len = params, non_embedding, max_seq_len
+        self.flops, self.ns, self.mem = flops, ns, mem
 
-    def num_parameters(self):
-        return self.params
+    def num_parameters(self, non_embedding=False):
+        return self.non_embedding if non_embedding else self.params
 
 
 def stub_plan(monkeypatch, configs, steps, device, dtype, n_data, memory=1000):
-    """plan over `configs` with every measurement stubbed: `steps` the StepTime each timed preset takes (by name),
-    the data n_data tokens, the device's memory `memory` bytes. Returns the log of the calls plan made."""
-    calls = {"get_preset": [], "flops": [], "memory": [], "ns": [], "timed": [], "data": [], "device": []}
+    """plan over `configs` with every measurement stubbed: `steps` the StepTime each timed candidate takes (by
+    name), the data n_data tokens, the device's memory `memory` bytes. Returns the log of the calls plan made."""
+    calls = {"get_preset": [], "flops": [], "memory": [], "ns": [], "timed": [], "data": [], "device": [],
+             "dtype": []}
     names = {id(c): n for n, c in configs.items()}
 
     def get_preset(name, **overrides):
@@ -297,11 +324,19 @@ def stub_plan(monkeypatch, configs, steps, device, dtype, n_data, memory=1000):
         calls["timed"].append((names[id(cfg)], dev, precision.dtype, batch, seq, min_seconds))
         return steps[names[id(cfg)]]
 
-    def data_tokens(path):
-        calls["data"].append(path)
+    def data_tokens(path, tokenizer_dir=None):
+        calls["data"].append((path, tokenizer_dir))
         return n_data
 
-    monkeypatch.setattr(planner, "PRESETS", configs)
+    def parse_device(name):
+        calls["device"].append(name)
+        return torch.device(device)
+
+    def choose_dtype(name, dev, purpose="train"):
+        calls["dtype"].append(name)
+        return DtypeChoice(dtype, "the reason")
+
+    monkeypatch.setattr(planner, "family", lambda: list(configs))
     monkeypatch.setattr(planner, "get_preset", get_preset)
     monkeypatch.setattr(planner, "flops_per_token", flops_per_token)
     monkeypatch.setattr(planner, "estimate_memory", estimate)
@@ -309,12 +344,8 @@ def stub_plan(monkeypatch, configs, steps, device, dtype, n_data, memory=1000):
     monkeypatch.setattr(planner, "time_steps", time_steps)
     monkeypatch.setattr(planner, "data_tokens", data_tokens)
     monkeypatch.setattr(planner, "device_memory", lambda dev: memory)
-    def parse_device(name):
-        calls["device"].append(name)
-        return torch.device(device)
-
     monkeypatch.setattr(planner, "parse_device", parse_device)
-    monkeypatch.setattr(planner, "choose_dtype", lambda name, dev, purpose="train": DtypeChoice(dtype, "the reason"))
+    monkeypatch.setattr(planner, "choose_dtype", choose_dtype)
     monkeypatch.setattr(planner, "precision_policy", lambda dev: SimpleNamespace(newton_schulz_steps=7))
     return calls
 
@@ -329,83 +360,76 @@ def assert_rows(rows, expected):
 
 
 def test_a_cpu_plan_by_hand(monkeypatch):
-    configs = {  # plan takes them by FLOPs per token: a 16, b 24, e 32, c 64, d 128; tiny is never planned
-        "tiny": None, "d": FakeConfig(10_000, 64, 128, 2048, 1), "c": FakeConfig(100_000, 64, 64, 0, 200),
-        "e": FakeConfig(5e6, 64, 32, 512, 1000), "b": FakeConfig(2e6, 128, 24, 1024, 425),
-        "a": FakeConfig(20_000, 64, 16, 512, 100)}
-    steps = {"a": planner.StepTime(0.25, 0.5, None), "b": planner.StepTime(0.75, 1.0, None),
-             "c": planner.StepTime(1.0, 0.0, None)}
-    calls = stub_plan(monkeypatch, configs, steps, "cpu", torch.float32, n_data=100_000)
-    rows, best, reason, header = planner.plan(3600.0, data_path="data.jsonl", max_step_s=5.25, min_seconds=0.5)
-    # 850 of the 1000 bytes may be filled. A CPU times one sequence (timed batch 1) and scales its forward and
-    # backward to the batch that fits: tokens/s = batch x seq / (batch x backward_s + update_s). An hour buys
-    # tokens/s x 0.9 x 3600 = tokens/s x 3240 tokens, counted up to 4 epochs of the 100,000 data tokens.
-    # a: 8 x 100 = 800 bytes fit. A step of 1 x 64 tokens: 16 x 64 = 1,024 FLOPs in 0.25 s (4,096 FLOP/s), the
-    #    update's 512 in 0.5 s (1,024 FLOP/s). At batch 8: 512 tokens / (8 x 0.25 + 0.5 = 2.5 s) = 204.8 tokens/s,
-    #    663,552 tokens, 6.63552 epochs, of which 4 (400,000 tokens) count
-    # b: 2 x 425 = 850 bytes: exactly the bound, fits. Predicted (24 x 128 / 4,096 + 1,024 / 1,024) x 3 = 5.25 s,
-    #    not over max_step_s: timed, 0.75 + 1.0 s (4,096 and 1,024 FLOP/s again). 256 / (2 x 0.75 + 1) = 102.4
-    #    tokens/s, 331,776 tokens, 3.31776 epochs
-    # e: 1 x 1000 bytes do not fit at batch 1
-    # c: 4 x 200 fit; predicted (4,096 / 4,096 + 0) x 3 = 3 s: timed, 1 s and no Newton-Schulz work (its update's
-    #    FLOP rate is infinite). 256 / (4 x 1) = 64 tokens/s, 207,360 tokens, 2.0736 epochs
-    # d: 8 x 1 fit; predicted (8,192 / 4,096 + 2,048 / inf) x 3 = 6 s > 5.25: estimated, backward 2 s, update 0 s.
-    #    512 / 16 = 32 tokens/s, 103,680 tokens, 1.0368 epochs
+    configs = {  # plan takes them by FLOPs per token: a 16, b 32, c 80, d 128, e 256
+        "e": FakeConfig(20_000, 10_000, 64, 256, 0, 10), "d": FakeConfig(9_000, 5_000, 64, 128, 0, 1000),
+        "c": FakeConfig(3_000, 1_000, 64, 80, 0, 100), "b": FakeConfig(2_000, 400, 64, 32, 512, 50),
+        "a": FakeConfig(1_000, 100, 64, 16, 0, 50)}
+    steps = {"a": planner.StepTime(1.0, 0.0, None), "b": planner.StepTime(1.0, 0.5, None),
+             "c": planner.StepTime(5.0, 0.0, None)}
+    calls = stub_plan(monkeypatch, configs, steps, "cpu", torch.float32, n_data=None)
+    model = LossModel(E=0.5, A=1000.0, alpha=1.0, B=921_600.0, beta=1.0)  # 0.5 + 1000 / N + 921,600 / D
+    rows, best, reason, header = planner.plan(1000.0, max_step_s=6.0, min_seconds=0.5, loss_model=model)
+    # 850 of the 1000 bytes may be filled: a, b and e at the recipe's batch, 16 (800, 800, 160 bytes), c at 8 (800),
+    # d not even at 1. 1000 s: 900 of them in steps, each of 16 (c: 8) x 64 tokens.
+    # Round 1 times the cheapest, a: 16 x 16 x 64 = 16,384 FLOPs in 1 s. From its rate: b's 32,768 in 2 s, c's
+    #    40,960 in 2.5 s, e's 262,144 in 16 s: 1,024, 512, 204.8 and 64 tokens/s; 921,600, 460,800, 184,320 and
+    #    57,600 tokens; losses 0.5 + 10 + 1 = 11.5, 0.5 + 2.5 + 2 = 5, 0.5 + 1 + 5 = 6.5, 0.5 + 0.1 + 16 = 16.6: b.
+    # Round 2 times b's untimed neighbours whose 3 steps take at most 6 s: b (3 x 2), not c (3 x 2.5). b takes
+    #    1 + 0.5 s: 682.67 tokens/s, 614,400 tokens, 0.5 + 2.5 + 1.5 = 4.5. c and e are now nearer b in FLOPs (by
+    #    ratio): its backward's 32,768 FLOP/s make c's step 1.25 s (409.6 tokens/s, 368,640 tokens, 0.5 + 1 + 2.5
+    #    = 4) and e's 8 s (128 tokens/s, 115,200 tokens, 8.6): c.
+    # Round 3 times c (3 x 1.25 s), not e (3 x 8): 5 s, 102.4 tokens/s, 92,160 tokens, 0.5 + 1 + 10 = 11.5. e is
+    #    nearer c now: 262,144 / 8,192 = 32 s, 32 tokens/s, 28,800 tokens, 0.5 + 0.1 + 32 = 32.6. b again.
+    # Round 4: b's neighbours are timed: done.
     assert_rows(rows, [
-        ("a", 20_000, 8, 64, 204.8, True, 800, False, True, 663_552.0, 400_000.0, 6.63552),
-        ("b", 2e6, 2, 128, 102.4, True, 850, False, True, 331_776.0, 331_776.0, 3.31776),
-        ("e", 5e6, 1, 64, None, False, 1000, False, False, 0.0, 0.0, None),
-        ("c", 100_000, 4, 64, 64.0, True, 800, False, True, 207_360.0, 207_360.0, 2.0736),
-        ("d", 10_000, 8, 64, 32.0, False, 8, False, True, 103_680.0, 103_680.0, 1.0368)])
-    # tokens per parameter: a 20, b 0.165888, c 2.0736, d 10.368: a, which the data limits
-    assert best is rows[0]
-    assert reason == ("a: 20 tokens per parameter in the budget, the nearest to the ~20 of compute-optimal "
-                      "training (Hoffmann et al. 2022); the data is the limit: the budget would read it 6.64 times, "
-                      "and past 4 epochs repeating adds little, so larger presets would need more text")
-    assert header == ("time budget 1h 00m on cpu (float32: the reason); 90% of it in training steps; data.jsonl: "
-                      "about 0.1M tokens (estimated from its first 2 MB)")
-    assert calls["data"] == [Path("data.jsonl")] and calls["device"] == ["auto"]  # the default device
-    assert calls["get_preset"] == [(n, {}) for n in "dceba"] + [
-        (n, {"vocab_size": 6400}) for n in "dceba"]
-    assert calls["timed"] == [(n, torch.device("cpu"), torch.float32, 1, seq, 0.5)
-                              for n, seq in (("a", 64), ("b", 128), ("c", 64))]
-    assert calls["memory"] == [(n, b, seq, torch.float32, "muon") for n, seq in
-                               (("a", 64), ("b", 128), ("e", 64), ("c", 64), ("d", 64)) for b in (8, 4, 2, 1)]
-    assert calls["ns"] == [(n, 7) for n in "abcd"]
-    assert {seq for _, seq in calls["flops"]} == {64, 128}  # each preset's own context
+        ("a", 1_000, 100, 16, 64, 1024.0, True, 800, False, True, 921_600.0, 921_600.0, None, 11.5),
+        ("b", 2_000, 400, 16, 64, 1024 / 1.5, True, 800, False, True, 614_400.0, 614_400.0, None, 4.5),
+        ("c", 3_000, 1_000, 8, 64, 102.4, True, 800, False, True, 92_160.0, 92_160.0, None, 11.5),
+        ("d", 9_000, 5_000, 1, 64, None, False, 1000, False, False, 0.0, 0.0, None, None),
+        ("e", 20_000, 10_000, 16, 64, 32.0, False, 160, False, True, 28_800.0, 28_800.0, None, 32.6)])
+    assert best is rows[1]
+    assert calls["timed"] == [(n, torch.device("cpu"), torch.float32, batch, 64, 0.5) for n, batch in
+                              (("a", 16), ("b", 16), ("c", 8))]
+    assert header == "time budget 16m 40s on cpu (float32: the reason); 90% of it in training steps"
+    assert calls["data"] == [] and calls["device"] == ["auto"] and calls["dtype"] == ["auto"]  # the defaults
+    assert calls["get_preset"] == [(n, {"vocab_size": 6400}) for n in "edcba"]
+    assert calls["memory"] == [(n, b, 64, torch.float32, "muon") for n in "abcde" for b in (16, 8, 4, 2, 1)]
+    assert calls["ns"] == [(n, 7) for n in "abce"]
+    assert reason == ("b: the lowest expected validation loss, 4.50, after 0.6M tokens (307 per parameter); a "
+                      "expects 11.50 after 0.9M, c expects 11.50 after 92.2K")
 
 
 def test_a_gpu_plan_by_hand(monkeypatch):
-    configs = {"p": FakeConfig(4096, 999, 2, 1024, 10), "q": FakeConfig(4e6, 999, 54, 2048, 20),
-               "r": FakeConfig(9e6, 999, 8, 0, 1000)}
+    configs = {"p": FakeConfig(4096, 1000, 999, 2, 1024, 10), "q": FakeConfig(4e6, 1e6, 999, 54, 2048, 20),
+               "r": FakeConfig(9e6, 1e7, 999, 8, 0, 1000)}
     steps = {"p": planner.StepTime(0.5, 0.0, 777)}
-    calls = stub_plan(monkeypatch, configs, steps, "cuda", torch.bfloat16, n_data=100_000_040_000)
-    rows, best, reason, header = planner.plan(90.0, "cuda", "data.jsonl", ["q", "r", "p"], seq_len=32)
-    # 850 of 1000 bytes. A GPU times the batch that fits, of 64, 32, ..., 1, and measures its peak memory; the
-    # defaults: 2 s of timed steps, 20 s the longest step to time.
-    # p: 64 x 10 = 640 bytes fit. Its step of 64 x 32 tokens: 2 x 2,048 = 4,096 FLOPs in 0.5 s (8,192 FLOP/s); its
-    #    update's 1,024 took no time, counted as 1e-9 s (1.024e12 FLOP/s). 2,048 / 0.5 = 4,096 tokens/s, the peak
-    #    measured: 777 bytes. 90 s buy 4,096 x 81 = 331,776 tokens, 81 per parameter
+    calls = stub_plan(monkeypatch, configs, steps, "cuda", torch.bfloat16, n_data=10_000)
+    model = LossModel(E=1.0, A=1000.0, alpha=1.0, B=3072.0, beta=1.0)  # 1 + 1000 / N + 3,072 / D
+    rows, best, reason, header = planner.plan(90.0, "cuda", ["data.jsonl:0.5", "more.jsonl"], ["q", "r", "p"],
+                                              seq_len=32, dtype="float16", loss_model=model, tokenizer_dir="tok")
+    # 850 of 1000 bytes; the defaults: 2 s of timed steps, 20 s the longest step to time; 81 s in steps.
+    # p: 16 x 10 = 160 bytes fit. Its step of 16 x 32 tokens: 2 x 512 = 1,024 FLOPs in 0.5 s (2,048 FLOP/s), its
+    #    update's 1,024 in no time (counted as 1e-9 s), its peak measured: 777 bytes. 1,024 tokens/s: 82,944
+    #    tokens, 4.1472 epochs of the two files' 20,000 tokens, of which 4 count (80,000): 1 + 1 + 0.0384 = 2.0384
     # r: 1 x 1000 do not fit
-    # q: 32 x 20 = 640 fit. Predicted (54 x 32 x 32 / 8,192 + 2,048 / 1.024e12) x 3 = (6.75 + 2e-9) x 3 = 20.25 s
-    #    and a little, over 20: estimated. 1,024 / (6.75 + 2e-9) tokens/s (12,288 tokens in 81 s, bar a little),
-    #    its memory estimated: 640 bytes
-    # The data's 100,000,040,000 tokens (100,000.04M) are far more than either reads.
-    q_speed, n_data = 1024 / (6.75 + 2e-9), 100_000_040_000
+    # q: 16 x 20 = 320 fit. Predicted 54 x 512 / 2,048 + 2,048 / 1.024e12 = 13.5 s and a little: 512 / 13.5
+    #    tokens/s, 3,072 tokens (bar a little), 1 + 0.001 + 1 = 2.001: the pick. Timing it would take 3 x 13.5 s,
+    #    over 20: it stays estimated, its memory too: 320 bytes.
+    q_speed = 512 / (13.5 + 2e-9)
+    q_tokens = q_speed * 81
     assert_rows(rows, [
-        ("p", 4096, 64, 32, 4096.0, True, 777, True, True, 331_776.0, 331_776.0, 331_776 / n_data),
-        ("r", 9e6, 1, 32, None, False, 1000, False, False, 0.0, 0.0, None),
-        ("q", 4e6, 32, 32, q_speed, False, 640, False, True, q_speed * 81, q_speed * 81, q_speed * 81 / n_data)])
-    assert calls["timed"] == [("p", torch.device("cuda"), torch.bfloat16, 64, 32, 2.0)]
-    assert calls["memory"][:7] == [("p", b, 32, torch.bfloat16, "muon") for b in (64, 32, 16, 8, 4, 2, 1)]
-    assert {seq for _, seq in calls["flops"]} == {32} and calls["device"] == ["cuda"]
-    assert header == ("time budget 1m 30s on cuda (bfloat16: the reason); 90% of it in training steps; data.jsonl: "
-                      "about 100,000.0M tokens (estimated from its first 2 MB)")
-    # 81 tokens per parameter are over 4 x 20: the reason says why not the larger presets (q: 12,288 / 4e6)
-    assert best is rows[0] and reason == (
-        "p: 81 tokens per parameter in the budget, the nearest to the ~20 of compute-optimal training (Hoffmann et "
-        "al. 2022); r does not fit in memory; the next larger that fits, q, would train 0.00307 tokens per "
-        "parameter, farther from it")
+        ("p", 4096, 1000, 16, 32, 1024.0, True, 777, True, True, 82_944.0, 80_000.0, 4.1472, 2.0384),
+        ("r", 9e6, 1e7, 1, 32, None, False, 1000, False, False, 0.0, 0.0, None, None),
+        ("q", 4e6, 1e6, 16, 32, q_speed, False, 320, False, True, q_tokens, q_tokens, q_tokens / 20_000,
+         1.001 + 3072 / q_tokens)])
+    assert best is rows[2]
+    assert calls["timed"] == [("p", torch.device("cuda"), torch.bfloat16, 16, 32, 2.0)]
+    assert calls["data"] == [(Path("data.jsonl"), Path("tok")), (Path("more.jsonl"), Path("tok"))]  # no weights
+    assert {seq for _, seq in calls["flops"]} == {32} and calls["device"] == ["cuda"] and calls["dtype"] == ["float16"]
+    assert header == ("time budget 1m 30s on cuda (bfloat16: the reason); 90% of it in training steps; data.jsonl, "
+                      "more.jsonl: about 0.0M tokens (estimated from the first 2 MB of each file)")
+    assert reason == ("q: the lowest expected validation loss, 2.00, after 3.1K tokens (0.000768 per parameter); p "
+                      "expects 2.04 after 80.0K; larger ones do not fit in memory")
 
 
 # ---------------------------------------------------------------------------- timing, on a stub clock
@@ -593,8 +617,8 @@ def test_the_memory_a_plan_may_fill(monkeypatch):
 
 
 def test_the_command_prints_the_plan_whole(monkeypatch, capsys):
-    best = fitting("a", 1e6, 8, 512, 1000.0, 3_240_000, 2_000_000, 6.48, 1 << 30)
-    other = PresetRow("huge", 1e9, 1, 512, None, False, 1 << 40, False, False)
+    best = fitting("depth-3", 1e6, 16, 256, 1000.0, 3_240_000, 2_000_000, 6.48, 1 << 30, 3.5)
+    other = PresetRow("huge", 1e9, 1e9, 1, 256, None, False, 1 << 40, False, False)
     asked = []
 
     def plan(*args):
@@ -603,19 +627,34 @@ def test_the_command_prints_the_plan_whole(monkeypatch, capsys):
 
     monkeypatch.setattr(planner, "plan", plan)
     table = planner.table([best, other], best).splitlines()
-    footer = ("tokens/s: measured by timing training steps here (est.: scaled from the last measured preset's FLOP "
-              "rate); peak memory: model/memory.py's estimate (est.), measured on CUDA")
-    assert planner.main("2h", "cpu", "d.jsonl", ["a", "huge"]) == 0
+    assert planner.main("2h", "cpu", "d.jsonl", ["depth-3", "huge"]) == 0
     assert capsys.readouterr().out.splitlines() == ["the header", *table, "recommended: the reason",
-        "  python train_pretrain.py --preset a --data_path d.jsonl --time_budget 2h --batch_size 8 --epochs 4 "
-        "--qk_norm --learning_rate 4e-3 --warmup_steps 20", footer]  # 2,000,000 tokens: 488 steps of 4,096
+        "  python train_pretrain.py --preset depth-3 --data_path d.jsonl --time_budget 2h --batch_size 16 "
+        "--learning_rate 0.004 --warmup_steps 20 --epochs 4",
+        "  or: python train_pretrain.py --preset auto --time_budget 2h --data_path d.jsonl (plans again, then trains "
+        "the pick)", planner.FOOTER]
     assert planner.main("90s", "cpu", None, None) == 0  # nothing fits: no command line
     table = planner.table([best, other], None).splitlines()
-    assert capsys.readouterr().out.splitlines() == ["the header", *table, "recommended: the reason", footer]
-    assert asked == [(7200.0, "cpu", "d.jsonl", ["a", "huge"]), (90.0, "cpu", None, None)]
+    assert capsys.readouterr().out.splitlines() == ["the header", *table, "recommended: the reason", planner.FOOTER]
+    assert asked == [(7200.0, "cpu", "d.jsonl", ["depth-3", "huge"]), (90.0, "cpu", None, None)]
     with pytest.raises(ConfigError) as e:
         planner.main(None, "cpu", None, None)
     assert str(e.value) == "--plan needs --time_budget (90s, 10m, 2h)"
+
+
+def test_the_footer_names_the_loss_model_s_source():
+    assert "bench/results/loss-model-demo.json" in planner.FOOTER and "--learning_rate 0.004" in planner.FOOTER
+
+
+def test_a_long_plan_hides_the_rows_far_from_the_pick(monkeypatch, capsys):
+    rows = [row(f"depth-{i}", 1e6 * i, 5.0 - (i == 10)) for i in range(1, 21)]
+    for r in rows:
+        r.speed_measured = False
+    monkeypatch.setattr(planner, "plan", lambda *args: (rows, rows[9], "the reason", "the header"))
+    assert planner.main("1h", "cpu", None, None) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:8] == planner.table(rows[7:12], rows[9]).splitlines()
+    assert out[8] == "(15 more of the depth family, estimated, not shown: --presets NAME ... plans only those)"
 
 
 def test_a_gpu_step_is_built_there_and_measures_its_peak_memory(monkeypatch):

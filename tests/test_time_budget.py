@@ -552,7 +552,8 @@ def test_the_demo_gives_each_stage_a_share_of_the_time_left():
     d = demo_budget()
     after, share = d.AFTER_S, d.PRETRAIN_SHARE
     flags, note = d.stage_flags("pretrain", 1000.0, 600.0, now=1120.0, steps=None)
-    assert flags == f"--time_budget {round(share * (600 - 120 - after))}s --max_steps {d.MAX_STEPS['pretrain']}"
+    assert flags == (f"--time_budget {round(share * (600 - 120 - after))}s --max_steps {d.MAX_STEPS['pretrain']} "
+                     "--preset auto")  # the plan sizes pretraining's model for its share
     assert note is None
     flags, _ = d.stage_flags("sft", 1000.0, 600.0, now=1450.0, steps=None)  # the rest goes to SFT
     assert flags == f"--time_budget {round(600 - 450 - after)}s --max_steps {d.MAX_STEPS['sft']}"
@@ -563,6 +564,10 @@ def test_the_demo_gives_each_stage_a_share_of_the_time_left():
     config = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/demo-pretrain.yaml"),
                                              *d.stage_flags("pretrain", 0.0, 600.0, 60.0, None)[0].split()], None)
     assert config.optim.time_budget.endswith("s") and config.optim.max_steps == d.MAX_STEPS["pretrain"]
+    assert config.model.preset == "auto"
+    fixed = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/demo-pretrain.yaml"),
+                                            *d.stage_flags("pretrain", 0.0, 600.0, 60.0, 450)[0].split()], None)
+    assert fixed.model.preset == "depth-4" and fixed.optim.time_budget is None  # fixed steps: the recipe's model
 
 
 @pytest.mark.parametrize("argv,message", [(["pretrain", "--start", "0", "--total", "ten"], "DEMO_BUDGET 'ten'"),

@@ -28,6 +28,7 @@ from model.inference import DeviceConfig
 from .budget import parse_duration
 from .runtime import compile_toolchain_problem
 
+AUTO_PRESET = "auto"  # --preset auto: the plan sizes the model for --time_budget (trainer_utils/planner.py)
 # the flags that describe a new model: refused with --init_from, whose weights bring their own
 NEW_MODEL_FLAGS = ("preset", *switches("shape", "architecture", "init"))
 
@@ -229,7 +230,13 @@ class TrainConfig:
         if self.eval.early_stopping and self.data.val_fraction == 0:
             raise ConfigError("--early_stop_patience and --overfit_gap watch the validation loss; they need "
                               "--val_fraction > 0")
-        if self.model.preset is not None:
+        if self.model.preset == AUTO_PRESET:
+            if self.optim.time_budget is None:
+                raise ConfigError("--preset auto sizes the model for a time budget: add --time_budget (90s, 10m, 2h)")
+            reshaped = [f"--{k}" for k in switches("shape") if getattr(self.model, k) is not None]
+            if reshaped:
+                raise ConfigError(f"--preset auto picks the model's whole shape; drop {', '.join(reshaped)}")
+        elif self.model.preset is not None:
             get_preset(self.model.preset)  # an unknown name is refused here, before the device is looked at
         if self.model.init_from is not None:
             given = [f"--{k}" for k in NEW_MODEL_FLAGS if getattr(self.model, k) is not None]

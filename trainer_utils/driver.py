@@ -3,7 +3,8 @@ run's plan (measured on a throwaway Trainer in a scratch run directory, or the o
 hands the Trainer that plan, and after a precision fallback builds a new Trainer that resumes in a wider precision.
 
     main(stage, argv, description)   parse the flags and --config, then run()
-    run(config, stage)               session -> plan -> Trainer.fit() -> (fallback -> plan -> Trainer.fit()) ...
+    run(config, stage)               (--preset auto: the planner's pick) -> session -> plan -> Trainer.fit()
+                                     -> (fallback -> plan -> Trainer.fit()) ...
     plan_budget(session, clock)      the plan: resumed, or made from measure_costs() (trainer_utils/budget.py)
 
 The Trainer (loop.py) knows nothing of how its plan was made: it trains to the plan's end, and its time budget's
@@ -35,13 +36,14 @@ from .budget import (
     probe_count,
     process_age,
 )
-from .config import TrainConfig
+from .config import AUTO_PRESET, TrainConfig
 from .data import StepFeeder
 from .loop import Trainer
 from .metrics import MetricsLogger
+from .planner import resolve_auto
 from .runtime import tune_allocator
 from .session import Session
-from .stages import Stage, parse_train_config
+from .stages import Stage, get_stage, parse_train_config
 
 
 def main(stage: Stage | str, argv: list[str] | None, description: str | None) -> int:
@@ -63,6 +65,8 @@ def run(config: TrainConfig, stage: Stage | str, started: float | None = None) -
     session = None
     clock = BudgetClock(time.perf_counter() if started is None else started)
     try:
+        if config.model.preset == AUTO_PRESET:  # the plan's pick for the budget, before the model is built
+            resolve_auto(config, get_stage(stage).name, clock.spent())
         session = Session(config, stage)
         while True:
             plan = plan_budget(session, clock)  # after a precision fallback: the checkpoint's, resumed

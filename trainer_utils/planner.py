@@ -1,14 +1,19 @@
-"""Which model to pretrain in the time you have: `python -m model --plan --time_budget 2h [--data_path F]`.
+"""Which model to pretrain in the time you have: `python -m model --plan --time_budget 2h [--data_path F]`, and
+what `train_pretrain.py --preset auto` trains.
 
-Each preset takes real training steps on this device, as train_pretrain.py would take them (its default
-optimizer, the precision policy's dtype, random tokens of the full context), and the table says what a budget
-buys with it: tokens per second, tokens trained in the budget, tokens per parameter, epochs of the data, peak
-memory. The recommendation follows the compute-optimal rule of thumb, about TOKENS_PER_PARAMETER training tokens
-per parameter (Hoffmann et al. 2022): the preset whose tokens per parameter in the budget is nearest to it, among
-those that fit in memory, counting at most MAX_EPOCHS passes over the data (repeating data beyond ~4 epochs adds
-little: Muennighoff et al. 2023). Figures are marked measured or estimated: a preset whose step would take too
-long to time here is estimated from the FLOP rate measured on the largest preset timed before it, and memory is
-model/memory.py's estimate except on CUDA, where the timed step's peak is measured.
+The candidates are the depth family (`--preset depth-N`, model/config.py: one knob, every other dimension derived
+from it), or the presets named. A candidate's tokens per second are measured by taking real training steps on this
+device, as train_pretrain.py takes them (pretraining's optimizer, the precision policy's dtype, the recipe's batch
+of random tokens); what the budget buys is those tokens per second times TRAINING_SHARE of it, counting at most
+MAX_EPOCHS passes over the data (repeating data beyond ~4 epochs adds little: Muennighoff et al. 2023). The loss
+model (trainer_utils/loss_model.py, fitted on short runs of the bundled corpus) turns a model's size and those
+tokens into the validation loss it can expect at the end, and the plan picks the candidate that expects the lowest:
+a larger model learns more from each token, a smaller one reads more of them in the same time.
+
+Only a few candidates are timed: the cheapest first, then the best expected and its two neighbours, again until
+they are all timed (or too slow to time). The others are estimated from the FLOP rate of the timed candidate
+nearest them in FLOPs per token. Memory is model/memory.py's estimate except on CUDA, where the timed step's peak
+is measured.
 """
 from __future__ import annotations
 
@@ -16,20 +21,26 @@ import json
 import math
 import os
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from common.device import NEWTON_SCHULZ_STEPS, choose_dtype, dtype_name, parse_device, precision_policy, timed
 from common.errors import ConfigError, DataError
+from dataset.config import parse_source
 from model import PocketLM
-from model.config import PRESETS, get_preset
+from model.config import DEPTH_PREFIX, MAX_DEPTH, get_preset
 from model.memory import estimate_memory
 
 from .backend import Comm, TorchBackend
 from .budget import format_duration
-from .config import OptimConfig
+from .checkpoint import latest_checkpoint
+from .config import AUTO_PRESET, OptimConfig, TrainConfig
+from .distributed import detect_env
+from .loss_model import FIT_DATA, FIT_RESULTS, RECIPE, SHIPPED, LossModel
 from .metrics import flops_per_token
 from .objectives import LanguageModeling
 from .optim import is_hidden_matrix, optimizer_for
@@ -37,31 +48,29 @@ from .routing import RouterBalance
 from .runtime import Precision, tune_allocator
 from .step import Step
 
-TOKENS_PER_PARAMETER = 20
 MAX_EPOCHS = 4
 TRAINING_SHARE = 0.9  # of a budget spent in training steps: setting up, evaluations and checkpoints take the rest
-TEST_PRESETS = ("tiny",)  # the tests' model (a 64-wide toy): never a candidate
 OPTIMIZER = "muon"  # pretraining's default (--optimizer auto without DeepSpeed)
 MEMORY_SHARE = 0.85  # of the device's memory a plan may fill (the allocator, the CUDA context, fragmentation)
-BATCHES = (64, 32, 16, 8, 4, 2, 1)  # on a GPU, the largest that fits is timed and recommended
-CPU_BATCH = 1  # a CPU times one sequence a step (a full 26M step of 8 x 512 takes ~15 s on 2 cores)...
-CPU_BATCHES = (8, 4, 2, 1)  # ...and its tokens/s are those of the largest of these that fits, its command's batch
-# A run planned for fewer steps than SHORT_RUN_STEPS gets the demo recipe's settings (recipes/demo-pretrain.yaml):
-# QK-norm, which keeps attention logits bounded at a high learning rate, and that learning rate with a short
-# warm-up. The presets' default, 5e-4, is for runs of many thousand steps: in 10 minutes on a 2-core CPU (~140
-# steps) it left mini-30m at val loss 5.23 (dev/LOG.md, 2026-12-05).
-SHORT_RUN_STEPS = 1000
-SHORT_RUN_FLAGS = ("--qk_norm", "--learning_rate 4e-3", "--warmup_steps 20")
+BATCHES = tuple(b for b in (16, 8, 4, 2, 1) if b <= RECIPE["batch_size"])  # the recipe's, else the largest that fits
+AUTO_MIN_SECONDS = 1.0  # of timed steps per candidate when a run plans itself (its budget pays for them)
+MAX_ROUNDS = 12  # of timing the best expected candidate and its neighbours (each round times at most three)
 SAMPLE_BYTES = 2 << 20  # of --data_path read to estimate its tokens
 VOCAB_SIZE = 6400  # the shipped tokenizer's, which the trainers give a new model
 
 
+def family() -> list[str]:
+    """The depth family's presets, every depth."""
+    return [f"{DEPTH_PREFIX}{depth}" for depth in range(1, MAX_DEPTH + 1)]
+
+
 @dataclass
 class PresetRow:
-    """One preset's line of the plan."""
+    """One candidate's line of the plan."""
 
     name: str
     parameters: int
+    non_embedding: int  # the loss model's N
     batch_size: int
     seq_len: int
     tokens_per_s: float | None  # None: does not fit
@@ -72,6 +81,7 @@ class PresetRow:
     budget_tokens: float = 0.0
     trained_tokens: float = 0.0  # within MAX_EPOCHS of the data
     epochs: float | None = None
+    expected_loss: float | None = None  # the loss model's, after trained_tokens
 
     @property
     def tokens_per_parameter(self) -> float:
@@ -123,16 +133,16 @@ def data_tokens(path: Path, tokenizer_dir: Path | None = None) -> int:
 
 @dataclass
 class StepTime:
-    """A timed step: seconds of its forward and backward (which grow with the batch) and of its update (which
-    does not: Muon's Newton-Schulz iteration costs the same for any batch)."""
+    """A timed step: seconds of its forward and backward, and of its update (whose Newton-Schulz work scales with
+    the matrices, not the tokens: the two are estimated from FLOP rates of their own)."""
 
     backward_s: float
     update_s: float
     peak_bytes: int | None  # measured on CUDA
 
-    def step_s(self, batch_ratio: float = 1.0) -> float:
-        """A step's seconds at `batch_ratio` times the timed batch."""
-        return batch_ratio * self.backward_s + self.update_s
+    @property
+    def step_s(self) -> float:
+        return self.backward_s + self.update_s
 
 
 def time_steps(cfg, device: torch.device, precision: Precision, batch: int, seq_len: int,
@@ -202,130 +212,179 @@ def newton_schulz_flops(cfg, steps: int = NEWTON_SCHULZ_STEPS) -> float:
     return total
 
 
-def plan(budget_s: float, device_name: str = "auto", data_path: str | None = None,
+@dataclass
+class Work:
+    """What one step of a candidate computes: its forward and backward's FLOPs, its update's Newton-Schulz FLOPs."""
+
+    cfg: Any
+    backward_flops: float
+    update_flops: float
+
+    def seconds(self, timed_work: Work, t: StepTime) -> float:
+        """This step's seconds at the FLOP rates of another candidate's timed step."""
+        update_rate = timed_work.update_flops / max(t.update_s, 1e-9) if timed_work.update_flops else math.inf
+        return self.backward_flops * t.backward_s / timed_work.backward_flops + self.update_flops / update_rate
+
+
+def plan(budget_s: float, device_name: str = "auto", data_path: str | list[str] | None = None,
          presets: list[str] | None = None, seq_len: int | None = None, max_step_s: float = 20.0,
-         min_seconds: float = 2.0) -> tuple[list[PresetRow], PresetRow | None, str, str]:
-    """The rows of every preset, the recommended one (None when none fits), why, and the run header. Sequences
-    are seq_len tokens, or each preset's context (what the trainers use by default)."""
-    names = presets or [n for n in PRESETS if n not in TEST_PRESETS]
-    for n in names:
-        get_preset(n)  # an unknown name is a ConfigError now
+         min_seconds: float = 2.0, dtype: str = "auto", loss_model: LossModel = SHIPPED,
+         tokenizer_dir: str | None = None) -> tuple[list[PresetRow], PresetRow | None, str, str]:
+    """The rows of every candidate (the depth family, or `presets`), cheapest step first; the one that expects
+    the lowest final loss (None when none fits); why; and the plan's header. Sequences are seq_len tokens, or
+    each candidate's context (what the trainers use by default); steps are timed in `dtype` (the trainers'
+    --dtype: auto is the precision policy's); the data's tokens are counted with `tokenizer_dir`'s tokenizer
+    (default: the shipped one)."""
+    configs = {n: get_preset(n, vocab_size=VOCAB_SIZE) for n in presets or family()}  # unknown: ConfigError now
     device = parse_device(device_name)
-    choice = choose_dtype("auto", device, "train")
+    choice = choose_dtype(dtype, device, "train")
     precision = Precision(device, choice.dtype)
     memory = device_memory(device)
-    n_data = data_tokens(Path(data_path)) if data_path else None
-    # from the cheapest step to the dearest, so an estimate scales the nearest measured FLOP rate
-    configs = sorted(((n, get_preset(n, vocab_size=VOCAB_SIZE)) for n in names),
-                     key=lambda nc: flops_per_token(nc[1], seq_len or nc[1].max_seq_len))
+    paths = [parse_source(spec).path for spec in ([data_path] if isinstance(data_path, str) else data_path or [])]
+    n_data = sum(data_tokens(Path(p), tokenizer_dir and Path(tokenizer_dir)) for p in paths) or None
+    ns_steps = precision_policy(device).newton_schulz_steps
     rows: list[PresetRow] = []
-    last: tuple[float, float] | None = None  # the last timed preset's FLOP/s: forward and backward, update
-    for name, cfg in configs:
+    work: dict[str, Work] = {}
+    for name, cfg in sorted(configs.items(), key=lambda nc: flops_per_token(nc[1], seq_len or nc[1].max_seq_len)):
         seq = seq_len or cfg.max_seq_len
-        # the batch the command line trains with: the largest that fits (memory judged at that batch); a GPU times
-        # that batch, a CPU one sequence, scaled (its forward and backward grow with the batch, its update does not)
-        batches = BATCHES if device.type == "cuda" else CPU_BATCHES  # both end at 1
-        peaks = {b: estimate_memory(cfg, b, seq, choice.dtype, optimizer=OPTIMIZER).peak for b in batches}
-        fitting = [b for b in batches if peaks[b] <= MEMORY_SHARE * memory]
-        if not fitting:
-            rows.append(PresetRow(name, cfg.num_parameters(), 1, seq, None, False, peaks[1], False, False))
-            continue
-        batch = fitting[0]
-        timed_batch = batch if device.type == "cuda" else CPU_BATCH
-        fb_flops = flops_per_token(cfg, seq) * timed_batch * seq
-        ns_flops = newton_schulz_flops(cfg, precision_policy(device).newton_schulz_steps)
-        if last is not None and (fb_flops / last[0] + ns_flops / last[1]) * 3 > max_step_s:  # too long to time
-            t, measured, peak = StepTime(fb_flops / last[0], ns_flops / last[1], None), False, None
-        else:
-            t = time_steps(cfg, device, precision, timed_batch, seq, min_seconds)
-            measured, peak = True, t.peak_bytes
-            last = (fb_flops / t.backward_s, ns_flops / max(t.update_s, 1e-9) if ns_flops else float("inf"))
-        rows.append(PresetRow(name, cfg.num_parameters(), batch, seq,
-                              batch * seq / t.step_s(batch / timed_batch), measured,
-                              peak if peak is not None else peaks[batch], peak is not None, True))
-    for row in rows:
-        if row.fits:
-            buy(row, budget_s, n_data)
-    best = recommend(rows)
+        # the recipe's batch, or the largest below it that fits (memory judged at that batch)
+        peaks = {b: estimate_memory(cfg, b, seq, choice.dtype, optimizer=OPTIMIZER).peak for b in BATCHES}
+        batch = next((b for b in BATCHES if peaks[b] <= MEMORY_SHARE * memory), None)
+        rows.append(PresetRow(name, cfg.num_parameters(), cfg.num_parameters(non_embedding=True), batch or 1, seq,
+                              None, False, peaks[batch or 1], False, batch is not None))
+        if batch is not None:
+            work[name] = Work(cfg, flops_per_token(cfg, seq) * batch * seq, newton_schulz_flops(cfg, ns_steps))
+    fitting = [r for r in rows if r.fits]
+    times: dict[str, StepTime] = {}
+    best = None
+    for _ in range(MAX_ROUNDS if fitting else 0):
+        # the cheapest first; then the best expected and its neighbours, unless their steps are too long to time
+        todo = [fitting[0]] if best is None else [
+            r for r in fitting[max(0, fitting.index(best) - 1):fitting.index(best) + 2]
+            if r.name not in times and 3 * estimated_step_s(work[r.name], work, times) <= max_step_s]
+        if not todo:
+            break
+        for r in todo:
+            times[r.name] = time_steps(work[r.name].cfg, device, precision, r.batch_size, r.seq_len, min_seconds)
+        for r in fitting:
+            settle(r, work, times, budget_s, n_data, loss_model)
+        best = recommend(rows)
     header = (f"time budget {format_duration(budget_s)} on {device} ({dtype_name(choice.dtype)}: {choice.reason}); "
               f"{TRAINING_SHARE:.0%} of it in training steps"
-              + (f"; {data_path}: about {n_data / 1e6:,.1f}M tokens (estimated from its first "
-                 f"{SAMPLE_BYTES >> 20} MB)" if n_data else ""))
-    return rows, best, why(best, rows, n_data), header
+              + (f"; {', '.join(paths)}: about {n_data / 1e6:,.1f}M tokens (estimated from the first "
+                 f"{SAMPLE_BYTES >> 20} MB of each file)" if n_data else ""))
+    return rows, best, why(best, rows), header
 
 
-def buy(row: PresetRow, budget_s: float, n_data: int | None) -> None:
-    """Fill in what the budget buys with a preset that fits: its tokens, those within MAX_EPOCHS of the data
-    (n_data tokens; None: unknown, no limit), and the epochs the budget would read."""
+def estimated_step_s(w: Work, work: dict[str, Work], times: dict[str, StepTime]) -> float:
+    """A step's seconds at the FLOP rates of the timed candidate nearest it in FLOPs (by ratio)."""
+    nearest = min(times, key=lambda n: abs(math.log(w.backward_flops / work[n].backward_flops)))
+    return w.seconds(work[nearest], times[nearest])
+
+
+def settle(row: PresetRow, work: dict[str, Work], times: dict[str, StepTime], budget_s: float,
+           n_data: int | None, loss_model: LossModel) -> None:
+    """Fill in a fitting row's speed (measured, or estimated from the nearest timed step) and what it buys."""
+    t = times.get(row.name)
+    step_s = t.step_s if t is not None else estimated_step_s(work[row.name], work, times)
+    row.tokens_per_s, row.speed_measured = row.batch_size * row.seq_len / step_s, t is not None
+    if t is not None and t.peak_bytes is not None:
+        row.peak_bytes, row.peak_measured = t.peak_bytes, True
+    buy(row, budget_s, n_data, loss_model)
+
+
+def buy(row: PresetRow, budget_s: float, n_data: int | None, loss_model: LossModel = SHIPPED) -> None:
+    """Fill in what the budget buys with a candidate that fits: its tokens, those within MAX_EPOCHS of the data
+    (n_data tokens; None: unknown, no limit), the epochs the budget would read, and the loss it can expect."""
     row.budget_tokens = row.tokens_per_s * TRAINING_SHARE * budget_s
     row.trained_tokens = min(row.budget_tokens, MAX_EPOCHS * n_data) if n_data else row.budget_tokens
     row.epochs = row.budget_tokens / n_data if n_data else None
+    row.expected_loss = loss_model.loss(row.non_embedding, row.trained_tokens)
 
 
 def recommend(rows: list[PresetRow]) -> PresetRow | None:
-    """The preset that fits whose tokens per parameter are nearest TOKENS_PER_PARAMETER (by ratio: 10 and 40 are
-    as far from 20); None when none fits."""
-    return min((r for r in rows if r.fits), key=lambda r: abs(math.log(r.tokens_per_parameter / TOKENS_PER_PARAMETER)),
-               default=None)
+    """The candidate that fits and expects the lowest final loss (the first of equals); None when none fits."""
+    return min((r for r in rows if r.fits), key=lambda r: r.expected_loss, default=None)
 
 
-def why(best: PresetRow | None, rows: list[PresetRow], n_data: int | None) -> str:
-    """The recommendation in words: why not a larger preset, when the budget would buy more than the rule asks."""
+def tokens(x: float) -> str:
+    """'1.23B', '4.5M', '12.3K'."""
+    return f"{x / 1e9:,.2f}B" if x >= 1e9 else f"{x / 1e6:,.1f}M" if x >= 1e5 else f"{x / 1e3:,.1f}K"
+
+
+def why(best: PresetRow | None, rows: list[PresetRow]) -> str:
+    """The recommendation in words: what it expects, what its neighbours in size expect, and what limits it."""
     if best is None:
-        return "no preset fits in this device's memory even at batch 1"
-    tpp = best.tokens_per_parameter
-    text = (f"{best.name}: {tpp:.3g} tokens per parameter in the budget, the nearest to the ~{TOKENS_PER_PARAMETER} "
-            "of compute-optimal training (Hoffmann et al. 2022)")
-    if n_data is not None and best.trained_tokens < best.budget_tokens:
+        return "nothing fits in this device's memory even at batch 1"
+    text = (f"{best.name}: the lowest expected validation loss, {best.expected_loss:.2f}, after "
+            f"{tokens(best.trained_tokens)} tokens ({best.tokens_per_parameter:.3g} per parameter)")
+    by_size = sorted((r for r in rows if r.fits and r is not best), key=lambda r: r.non_embedding)
+    smaller = [r for r in by_size if r.non_embedding < best.non_embedding][-1:]
+    larger = [r for r in by_size if r.non_embedding > best.non_embedding][:1]
+    if smaller or larger:
+        text += "; " + ", ".join(f"{r.name} expects {r.expected_loss:.2f} after {tokens(r.trained_tokens)}"
+                                 for r in (*smaller, *larger))
+    if not larger and any(not r.fits and r.non_embedding > best.non_embedding for r in rows):
+        text += "; larger ones do not fit in memory"
+    if best.trained_tokens < best.budget_tokens:
         text += (f"; the data is the limit: the budget would read it {best.epochs:.3g} times, and past "
-                 f"{MAX_EPOCHS} epochs repeating adds little, so larger presets would need more text")
-    elif tpp < TOKENS_PER_PARAMETER / 4:
-        text += "; the budget is short for every preset, so the smallest learns the most"
-    elif tpp > TOKENS_PER_PARAMETER * 4:
-        larger = sorted((r for r in rows if r.parameters > best.parameters), key=lambda r: r.parameters)
-        too_big = [r.name for r in larger if not r.fits]
-        nxt = next((r for r in larger if r.fits), None)
-        if too_big:
-            text += f"; {', '.join(too_big)} {'does' if len(too_big) == 1 else 'do'} not fit in memory"
-        if nxt is not None:  # nearer the rule by tokens, yet farther by ratio
-            text += (f"; the next larger that fits, {nxt.name}, would train {nxt.tokens_per_parameter:.3g} tokens "
-                     "per parameter, farther from it")
-        elif not larger:
-            text += "; it is the largest preset planned"
+                 f"{MAX_EPOCHS} epochs repeating adds little")
     return text
 
 
 def command(best: PresetRow, budget: str, data_path: str | None) -> str:
-    """The train_pretrain.py line that trains the recommendation in the budget."""
-    batch = best.batch_size
+    """The train_pretrain.py line that trains the recommendation in the budget, with the settings the loss model
+    was fitted with (and QK-norm, which the depth family has and keeps attention bounded at that learning
+    rate)."""
     epochs = max(1, min(MAX_EPOCHS, math.ceil(best.epochs))) if best.epochs else None
     parts = ["python train_pretrain.py", f"--preset {best.name}", f"--data_path {data_path or 'YOUR.jsonl'}",
-             f"--time_budget {budget}", f"--batch_size {batch}"]
+             f"--time_budget {budget}", f"--batch_size {best.batch_size}",
+             f"--learning_rate {RECIPE['learning_rate']:g}", f"--warmup_steps {RECIPE['warmup_steps']}"]
     if epochs and epochs > 1:
         parts.append(f"--epochs {epochs}")  # --epochs bounds a budget run: let it use the time
-    if best.trained_tokens / (batch * best.seq_len) < SHORT_RUN_STEPS:
-        parts.extend(SHORT_RUN_FLAGS)
+    if not get_preset(best.name).qk_norm:
+        parts.append("--qk_norm")
     return " ".join(parts)
+
+
+def shown(rows: list[PresetRow], best: PresetRow | None, around: int = 2) -> list[PresetRow]:
+    """The rows worth printing: the timed ones, those within `around` of the pick, and the first that does not
+    fit (every row when there are few)."""
+    if len(rows) <= 2 * around + 4:
+        return rows
+    fitting = [r for r in rows if r.fits]
+    near = set()
+    if best is not None:
+        i = fitting.index(best)
+        near = {r.name for r in fitting[max(0, i - around):i + around + 1]}
+    first_too_big = next(([r] for r in rows if not r.fits), [])
+    return [r for r in rows if r.name in near or r.speed_measured or r in first_too_big]
 
 
 def table(rows: list[PresetRow], best: PresetRow | None) -> str:
     """The plan as a Markdown table; (est.) marks estimated figures."""
-    def tokens(x: float) -> str:
-        return f"{x / 1e9:,.2f}B" if x >= 1e9 else f"{x / 1e6:,.1f}M" if x >= 1e5 else f"{x / 1e3:,.1f}K"
-
-    lines = ["| preset | params | batch | tokens/s | tokens in budget | tokens/param | epochs of data | peak memory |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| preset | params | batch | tokens/s | tokens in budget | tokens/param | epochs of data | expected loss "
+             "| peak memory |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         mark = " ⭐" if r is best else ""
         memory = f"{r.peak_bytes / 2**30:,.2f} GiB" + ("" if r.peak_measured else " (est.)")
         if not r.fits:
-            lines.append(f"| {r.name}{mark} | {r.parameters / 1e6:.1f}M | – | does not fit | – | – | – | {memory} |")
+            lines.append(f"| {r.name}{mark} | {r.parameters / 1e6:.1f}M | – | does not fit | – | – | – | – | "
+                         f"{memory} |")
             continue
         speed = f"{r.tokens_per_s:,.0f}" + ("" if r.speed_measured else " (est.)")
         epochs = f"{r.epochs:.2g}" if r.epochs is not None else "–"
         lines.append(f"| {r.name}{mark} | {r.parameters / 1e6:.1f}M | {r.batch_size}×{r.seq_len} | {speed} | "
-                     f"{tokens(r.budget_tokens)} | {r.tokens_per_parameter:.3g} | {epochs} | {memory} |")
+                     f"{tokens(r.budget_tokens)} | {r.tokens_per_parameter:.3g} | {epochs} | {r.expected_loss:.2f} | "
+                     f"{memory} |")
     return "\n".join(lines)
+
+
+FOOTER = (f"tokens/s: measured by timing training steps here (est.: from the FLOP rate of the nearest measured); "
+          f"expected loss: the final validation loss the loss model predicts, fitted on {FIT_DATA} with "
+          f"--learning_rate {RECIPE['learning_rate']:g} --warmup_steps {RECIPE['warmup_steps']} ({FIT_RESULTS}; other "
+          "text has a level of its own, and the pick still weighs size against tokens); peak memory: "
+          "model/memory.py's estimate (est.), measured on CUDA")
 
 
 def main(budget: str, device: str, data_path: str | None, presets: list[str] | None) -> int:
@@ -336,11 +395,43 @@ def main(budget: str, device: str, data_path: str | None, presets: list[str] | N
         raise ConfigError("--plan needs --time_budget (90s, 10m, 2h)")
     tune_allocator()  # steps are timed as training takes them
     rows, best, reason, header = plan(parse_duration(budget), device, data_path, presets)
+    hidden = len(rows) - len(visible := shown(rows, best))
     print(header)
-    print(table(rows, best))
+    print(table(visible, best))
+    if hidden:
+        print(f"({hidden} more of the depth family, estimated, not shown: --presets NAME ... plans only those)")
     print(f"recommended: {reason}")
     if best is not None:
         print(f"  {command(best, budget, data_path)}")
-    print("tokens/s: measured by timing training steps here (est.: scaled from the last measured preset's FLOP rate); "
-          "peak memory: model/memory.py's estimate (est.), measured on CUDA")
+        print(f"  or: python train_pretrain.py --preset auto --time_budget {budget}"
+              + (f" --data_path {data_path}" if data_path else "") + " (plans again, then trains the pick)")
+    print(FOOTER)
     return 0
+
+
+def resolve_auto(config: TrainConfig, stage_name: str, spent_s: float) -> None:
+    """--preset auto: set the preset to the plan's pick for what is left of this run's --time_budget (`spent_s`
+    is gone), timed on its device in its precision, and print the plan. The run is named <stage>-auto unless
+    --run_name names it, so that --resume finds it again: resuming, the model is the run's own, and nothing is
+    planned."""
+    m, run = config.model, config.run
+    if stage_name != "pretrain":
+        raise ConfigError("--preset auto sizes a new model for a pretraining run (train_pretrain.py); name a preset "
+                          "here")
+    run.run_name = run.run_name or f"{stage_name}-{AUTO_PRESET}"
+    if run.resume and latest_checkpoint(Path(run.out_dir) / run.run_name) is not None:
+        m.preset = None  # the checkpoint's model
+        return
+    if detect_env().world_size > 1:
+        raise ConfigError("--preset auto times candidates in one process; under torchrun, plan first with "
+                          "`python -m model --plan --time_budget D` and pass the --preset it recommends")
+    budget_s = config.optim.budget_s - spent_s
+    rows, best, reason, header = plan(budget_s, config.precision.device, config.data.data_path, seq_len=m.max_seq_len,
+                                      min_seconds=AUTO_MIN_SECONDS, dtype=config.precision.dtype,
+                                      tokenizer_dir=config.data.tokenizer)
+    if best is None:
+        raise ConfigError(f"--preset auto: {reason}")
+    print(f"--preset auto: {header}", file=sys.stderr)
+    print(table(shown(rows, best), best), file=sys.stderr)
+    print(f"--preset auto: {reason}", file=sys.stderr)
+    m.preset = best.name

@@ -6,6 +6,9 @@ from typing import Any, ClassVar
 from dataset.config import DataConfig
 from dataset.kinds import TEXT, DataKind
 
+from ..config import AUTO_PRESET
+from ..loss_model import RECIPE
+from ..planner import MAX_EPOCHS
 from .base import Stage
 
 
@@ -19,8 +22,13 @@ class Pretrain(Stage):
     # schedule that peaks lower, since the weights already hold what a high rate would overwrite (forgetting)
     continued: ClassVar[dict[str, Any]] = dict(learning_rate=1e-4, warmup_ratio=0.02)
 
+    # --preset auto: the settings the planner's loss model was fitted with, and the epochs it may plan
+    auto: ClassVar[dict[str, Any]] = dict(**RECIPE, epochs=MAX_EPOCHS)
+
     def defaults_for(self, given: dict[str, Any]) -> dict[str, Any]:
-        return {**self.defaults, **self.continued} if given.get("init_from") else self.defaults
+        if given.get("init_from"):
+            return {**self.defaults, **self.continued}
+        return {**self.defaults, **self.auto} if given.get("preset") == AUTO_PRESET else self.defaults
 
     def data_kind(self, data: DataConfig) -> DataKind:
         return TEXT
