@@ -40,7 +40,8 @@ def family_config(depth: int):
 
 
 def last_record(run_dir: Path, steps: int) -> dict | None:
-    """The final evaluation and the last log record of a finished run, merged (None: not finished)."""
+    """The final evaluation and the last log record of a finished run, merged, with its "curve": the validation
+    loss at every evaluation, [step, loss] (None: not finished)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
@@ -48,10 +49,11 @@ def last_record(run_dir: Path, steps: int) -> dict | None:
     final = [r for r in records if r.get("step") == steps]
     if not any("val_loss" in r for r in final) or not any("tokens_seen" in r for r in final):
         return None
-    return {k: v for r in final for k, v in r.items()}
+    curve = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
+    return {**{k: v for r in final for k, v in r.items()}, "curve": curve}
 
 
-def train(depth: int, steps: int, runs_dir: Path, dtype: str) -> tuple[dict, float | None]:
+def train(depth: int, steps: int, runs_dir: Path, dtype: str, evals: int) -> tuple[dict, float | None]:
     """The finished run of `depth` for `steps` steps (trained now unless it is done); its record and seconds."""
     name = f"depth{depth}-steps{steps}"
     record = last_record(runs_dir / name, steps)
@@ -60,7 +62,7 @@ def train(depth: int, steps: int, runs_dir: Path, dtype: str) -> tuple[dict, flo
     argv = [sys.executable, str(ROOT / "train_pretrain.py"), "--data_path", str(DATA),
             "--preset", f"{DEPTH_PREFIX}{depth}", "--dtype", dtype,
             "--learning_rate", str(RECIPE["learning_rate"]), "--warmup_steps", str(RECIPE["warmup_steps"]),
-            "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps), "--eval_interval", str(steps),
+            "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps), "--eval_interval", str(max(1, steps // evals)),
             "--log_interval", str(steps), "--no-checkpoints", "--sample_prompts", "none", "--probes", "none",
             "--out_dir", str(runs_dir), "--run_name", name, "--overwrite"]
     t0 = time.perf_counter()
@@ -76,10 +78,11 @@ def train(depth: int, steps: int, runs_dir: Path, dtype: str) -> tuple[dict, flo
 def run_point(depth: int, steps: int, args: argparse.Namespace) -> dict:
     """One run's point and what it took, trained now unless it is done."""
     cfg = family_config(depth)
-    record, seconds = train(depth, steps, args.runs_dir, args.dtype)
+    record, seconds = train(depth, steps, args.runs_dir, args.dtype, args.evals)
     r = {"depth": depth, "steps": steps, "parameters": cfg.num_parameters(non_embedding=True),
          "parameters_total": cfg.num_parameters(), "tokens": record["tokens_seen"], "val_loss": record["val_loss"],
-         "val_bpb": record.get("val_bpb"), "seconds": None if seconds is None else round(seconds, 1)}
+         "val_bpb": record.get("val_bpb"), "seconds": None if seconds is None else round(seconds, 1),
+         "curve": record["curve"]}
     print(f"depth {depth} ({r['parameters'] / 1e6:.2f}M non-embedding), {steps} steps, {r['tokens'] / 1e6:.2f}M "
           f"tokens: val loss {r['val_loss']:.4f}" + (f" ({seconds:.0f} s)" if seconds else " (done before)"),
           flush=True)
@@ -94,6 +97,7 @@ def main() -> None:
     parser.add_argument("--holdout", nargs="*", default=[], metavar="DEPTH:STEPS",
                         help="runs to predict, left out of the fit")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--evals", type=int, default=10, help="evaluations in a run (its curve; the last at its end)")
     parser.add_argument("--runs_dir", type=Path, default=ROOT / "out" / "loss-model")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "loss-model-demo.json")
     args = parser.parse_args()

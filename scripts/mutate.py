@@ -242,7 +242,7 @@ TARGETS: dict[str, Target] = {
     "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_budget_plan.py",
                                        "tests/test_properties.py"), PLAN_EQUIVALENT),
     "trainer_utils/components/budget.py": Target(("tests/test_time_budget.py",), GUARD_EQUIVALENT),
-    "trainer_utils/planner.py": Target(("tests/test_planner.py",), PLANNER_EQUIVALENT),
+    "trainer_utils/planner.py": Target(("tests/test_planner.py", "tests/test_auto_preset.py"), PLANNER_EQUIVALENT),
     "trainer_utils/rollouts.py": Target(RL_TESTS, ROLLOUTS_EQUIVALENT),
     "trainer_utils/rewards.py": Target(RL_TESTS, REWARDS_EQUIVALENT),
     "trainer_utils/objectives.py": Target(("tests/test_objectives.py", "tests/test_rl.py", "tests/test_dpo.py",
