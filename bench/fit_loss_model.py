@@ -62,7 +62,8 @@ def train(depth: int, steps: int, runs_dir: Path, dtype: str, evals: int) -> tup
     argv = [sys.executable, str(ROOT / "train_pretrain.py"), "--data_path", str(DATA),
             "--preset", f"{DEPTH_PREFIX}{depth}", "--dtype", dtype,
             "--learning_rate", str(RECIPE["learning_rate"]), "--warmup_steps", str(RECIPE["warmup_steps"]),
-            "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps), "--eval_interval", str(max(1, steps // evals)),
+            "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps),
+            "--eval_interval", str(max(1, steps // evals)),
             "--log_interval", str(steps), "--no-checkpoints", "--sample_prompts", "none", "--probes", "none",
             "--out_dir", str(runs_dir), "--run_name", name, "--overwrite"]
     t0 = time.perf_counter()
