@@ -3,23 +3,28 @@
     python bench/fit_loss_model.py                                       # depths 2-5, 3 lengths each, fp32
     python bench/fit_loss_model.py --depths 2 3 4 --steps 120 240 --out /tmp/fit.json
     python bench/fit_loss_model.py --holdout 6:240 4:720          # and predict runs left out of the fit
+    python bench/fit_loss_model.py --depths 3 4 5 --steps 240 480 --model bench/results/loss-model-demo.json \
+        --out bench/results/loss-model-progress-demo.json         # the progress table, against the shipped fit
 
 Every run is a model of the depth family (`--preset depth-N`, model/config.py: 64 x depth wide, heads of 64, two
 key-value heads where the heads divide by two, QK-norm, context 256) trained with the demo recipe's settings
 (Muon at learning rate 4e-3, 20 warm-up steps, 16 sequences a step) for a given number of steps, its schedule
-completed there, in a process of its own (train_pretrain.py). A run's point is (non-embedding parameters, tokens
-trained on, final validation loss); the fit, its constants and each point's relative error are written to --out.
---holdout runs (DEPTH:STEPS) are trained the same way but left out of the fit: their predicted and actual losses
-test it beyond the sizes and lengths it saw. A run already done (its metrics.jsonl in --runs_dir has its last step)
-is read, not trained again, so an
-interrupted fit continues where it stopped. The losses do not depend on the machine (fp32, one process); the time
-each run took does, and is recorded with the machine.
+completed there, in a process of its own (train_pretrain.py), evaluated --evals times on its way (its curve). A
+run's point is (non-embedding parameters, tokens trained on, final validation loss); the fit, its constants and
+each point's relative error are written to --out, with the progress table of the runs' curves (where a run's
+validation loss is at each tenth of its steps, against the model: what the on-track check expects). --model tests
+the runs against a recorded fit instead of fitting them. --holdout runs (DEPTH:STEPS) are trained the same way but
+left out of the fit: their predicted and actual losses test it beyond the sizes and lengths it saw. A run already
+done (its metrics.jsonl in --runs_dir has its last step) is read, not trained again, so an interrupted fit
+continues where it stopped. The losses do not depend on the machine (fp32, one process); the time each run took
+does, and is recorded with the machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -29,9 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.device import cpu_model  # noqa: E402
 from model.config import DEPTH_PREFIX, get_preset  # noqa: E402
-from trainer_utils.loss_model import FIT_DATA, RECIPE, fit  # noqa: E402
+from trainer_utils.loss_model import FIT_CONTEXT, FIT_DATA, RECIPE, LossModel, fit  # noqa: E402
 
 DATA = ROOT / FIT_DATA
+SHARES = tuple(k / 10 for k in range(1, 11))  # of a run's steps, where its curve is read for the progress table
 
 
 def family_config(depth: int):
@@ -90,6 +96,35 @@ def run_point(depth: int, steps: int, args: argparse.Namespace) -> dict:
     return r
 
 
+def predict(runs: list[dict], model: LossModel) -> None:
+    """Each run's predicted final loss and its relative error (predicted / actual - 1), written into it."""
+    for r in runs:
+        r["predicted"] = round(model.loss(r["parameters"], r["tokens"]), 4)
+        r["relative_error"] = round(model.loss(r["parameters"], r["tokens"]) / r["val_loss"] - 1, 4)
+
+
+def progress(runs: list[dict], model: LossModel, model_error: float) -> dict | None:
+    """The progress table (trainer_utils/loss_model.py Progress) of the runs whose curves have a point at every
+    share: at each, the median run's validation loss over the model's L(N, tokens so far), and the largest
+    relative distance of a run from it plus the model's own worst error on its fit (`model_error`: a run of
+    another size may be that far from it at its end). None with fewer than two such runs."""
+    tokens_per_step = RECIPE["batch_size"] * FIT_CONTEXT
+    ratios: dict[float, list[float]] = {f: [] for f in SHARES}
+    for r in runs:
+        points = {step: loss for step, loss in r.get("curve", [])}
+        steps = [round(f * r["steps"]) for f in SHARES]
+        if all(s in points for s in steps):
+            for f, s in zip(SHARES, steps):
+                ratios[f].append(points[s] / model.loss(r["parameters"], s * tokens_per_step))
+    counts = {len(v) for v in ratios.values()}
+    if counts != {len(ratios[SHARES[0]])} or len(ratios[SHARES[0]]) < 2:
+        return None
+    median = [statistics.median(v) for v in ratios.values()]
+    spread = [max(abs(q / m - 1) for q in v) for v, m in zip(ratios.values(), median)]
+    return {"runs": len(ratios[SHARES[0]]), "shares": list(SHARES), "ratios": [round(m, 4) for m in median],
+            "tolerances": [round(x + model_error, 3) for x in spread]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 3, 4, 5])
@@ -101,27 +136,33 @@ def main() -> None:
     parser.add_argument("--evals", type=int, default=10, help="evaluations in a run (its curve; the last at its end)")
     parser.add_argument("--runs_dir", type=Path, default=ROOT / "out" / "loss-model")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "loss-model-demo.json")
+    parser.add_argument("--model", type=Path, help="a recorded fit (its \"model\") to test the runs against, "
+                                                   "instead of fitting them")
     args = parser.parse_args()
     holdout = [tuple(map(int, h.split(":"))) for h in args.holdout]
     runs = [run_point(depth, steps, args) for depth in args.depths for steps in args.steps]
-    result = fit([(r["parameters"], r["tokens"], r["val_loss"]) for r in runs])
-    for r, error in zip(runs, result.relative_errors):
-        r["predicted"] = round(result.model.loss(r["parameters"], r["tokens"]), 4)
-        r["relative_error"] = round(error, 4)
+    if args.model:
+        recorded = json.loads(args.model.read_text())
+        model, model_error = LossModel.from_dict(recorded["model"]), recorded["worst_relative_error"]
+    else:
+        result = fit([(r["parameters"], r["tokens"], r["val_loss"]) for r in runs])
+        model, model_error = result.model, result.worst
+    predict(runs, model)
     held = [run_point(depth, steps, args) for depth, steps in holdout]
+    predict(held, model)
     for r in held:
-        r["predicted"] = round(result.model.loss(r["parameters"], r["tokens"]), 4)
-        r["relative_error"] = round(r["predicted"] / r["val_loss"] - 1, 4)
         print(f"held out: depth {r['depth']}, {r['steps']} steps: predicted {r['predicted']:.4f}, actual "
               f"{r['val_loss']:.4f} ({r['relative_error']:+.2%})")
+    worst = max(abs(r["relative_error"]) for r in runs)
     report = {"machine": cpu_model(), "cores": os.cpu_count(), "dtype": args.dtype, "data": str(DATA.relative_to(ROOT)),
               "family": f"{DEPTH_PREFIX}N", "recipe": RECIPE, "parameters": "non-embedding",
-              "model": {k: round(v, 6) for k, v in result.model.to_dict().items()},
-              "worst_relative_error": round(result.worst, 4), "runs": runs, "held_out": held}
+              **({"model_from": str(args.model)} if args.model else {}),
+              "model": {k: round(v, 6) for k, v in model.to_dict().items()},
+              "worst_relative_error": round(worst, 4), "progress": progress(runs, model, model_error), "runs": runs,
+              "held_out": held}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    m = result.model
-    print(f"L(N, D) = {m.E:.3f} + {m.A:.4g} / N^{m.alpha:.3f} + {m.B:.4g} / D^{m.beta:.3f}; worst relative error "
-          f"{result.worst:.2%}; written to {args.out}")
+    print(f"L(N, D) = {model.E:.3f} + {model.A:.4g} / N^{model.alpha:.3f} + {model.B:.4g} / D^{model.beta:.3f}; "
+          f"worst relative error {worst:.2%}; written to {args.out}")
 
 
 if __name__ == "__main__":

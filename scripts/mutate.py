@@ -252,7 +252,9 @@ TARGETS: dict[str, Target] = {
                                   INGEST_EQUIVALENT),
     "dataset/ingest/formats/*.py": Target(("tests/test_ingest.py", "tests/test_extract.py"), EXTRACT_EQUIVALENT),
     "common/tools.py": Target(TOOL_TESTS, TOOLS_EQUIVALENT),
-    "trainer_utils/loss_model.py": Target(("tests/test_loss_model.py",), LOSS_MODEL_EQUIVALENT),
+    "trainer_utils/loss_model.py": Target(("tests/test_loss_model.py", "tests/test_on_track.py"),
+                                          LOSS_MODEL_EQUIVALENT),
+    "trainer_utils/components/on_track.py": Target(("tests/test_on_track.py",)),
 }
 
 

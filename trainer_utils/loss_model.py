@@ -14,6 +14,7 @@ start falls into: Besiroglu et al. 2024 found Hoffmann et al.'s own fit ended in
 from __future__ import annotations
 
 import itertools
+import bisect
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -25,6 +26,7 @@ HUBER_DELTA = 1e-3
 # (--preset depth-N) trained on the bundled corpus with these settings, its schedule completed at its last step
 RECIPE = {"learning_rate": 4e-3, "warmup_steps": 20, "batch_size": 16}
 FIT_DATA = "dataset/demo/pretrain_demo.jsonl"
+FIT_CONTEXT = 256  # tokens a sequence: the depth family's context
 FIT_RESULTS = "bench/results/loss-model-demo.json"  # the fit: its runs, constants and residuals
 # The starting grid: exponents from flat to steep, log-constants over the range small models give.
 GRID = {"log_a": (0.0, 5.0, 10.0, 15.0, 20.0), "alpha": (0.1, 0.3, 0.5, 0.8, 1.2),
@@ -119,3 +121,37 @@ def fit(points: Sequence[tuple[float, float, float]]) -> Fit:
 # predicted within 1%): what the planner expects of a run. A test keeps these the file's. Re-fit with
 # bench/fit_loss_model.py (docs/training.md, "The loss model") when the family, the recipe or the corpus changes.
 SHIPPED = LossModel(E=3.335256, A=82918.129981, alpha=0.968778, B=36705.817896, beta=0.798903)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run's validation loss is on its way: at a share f of its planned steps, about ratio(f) times the
+    loss model's final loss for the tokens trained so far, L(N, D so far). (The loss model fits the curve itself
+    from about a third of a run on: the cosine's annealing and the tokens still to come nearly cancel.) Measured
+    on runs of the fit's recipe at every 10% of their steps: `ratios` the median run's, `tolerances` how far the
+    runs and the loss model's own error spread around it. Before the first share, nothing is expected."""
+
+    shares: tuple[float, ...]
+    ratios: tuple[float, ...]
+    tolerances: tuple[float, ...]
+
+    def expected(self, model: LossModel, n: float, tokens: float, tokens_end: float) -> tuple[float, float] | None:
+        """(the validation loss expected, its relative tolerance) of a model of `n` parameters after `tokens` of a
+        run planned for `tokens_end`; None too early in the run."""
+        f = min(tokens / tokens_end, 1.0)
+        if f < self.shares[0]:
+            return None
+        i = min(bisect.bisect_right(self.shares, f), len(self.shares) - 1)
+        lo = max(i - 1, 0)
+        w = 0.0 if i == lo else (f - self.shares[lo]) / (self.shares[i] - self.shares[lo])
+        ratio = self.ratios[lo] + w * (self.ratios[i] - self.ratios[lo])
+        tolerance = self.tolerances[lo] + w * (self.tolerances[i] - self.tolerances[lo])
+        return ratio * model.loss(n, tokens), tolerance
+
+
+# The progress of six runs of depths 3-5 for 240 and 480 steps, evaluated every tenth of their steps, against SHIPPED
+# (bench/results/loss-model-progress-demo.json: their final losses within 0.4% of it); the tolerances add the fit's
+# worst error, 4% (depth 2), to the runs' spread. A test keeps these the file's.
+PROGRESS = Progress(shares=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+                    ratios=(0.9034, 0.9669, 0.9918, 0.9962, 0.9979, 1.0053, 1.0018, 0.9998, 0.9973, 1.0005),
+                    tolerances=(0.096, 0.083, 0.064, 0.063, 0.057, 0.051, 0.051, 0.045, 0.042, 0.044))

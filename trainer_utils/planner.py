@@ -242,18 +242,7 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | list[str] 
     memory = device_memory(device)
     paths = [parse_source(spec).path for spec in ([data_path] if isinstance(data_path, str) else data_path or [])]
     n_data = sum(data_tokens(Path(p), tokenizer_dir and Path(tokenizer_dir)) for p in paths) or None
-    ns_steps = precision_policy(device).newton_schulz_steps
-    rows: list[PresetRow] = []
-    work: dict[str, Work] = {}
-    for name, cfg in sorted(configs.items(), key=lambda nc: flops_per_token(nc[1], seq_len or nc[1].max_seq_len)):
-        seq = seq_len or cfg.max_seq_len
-        # the recipe's batch, or the largest below it that fits (memory judged at that batch)
-        peaks = {b: estimate_memory(cfg, b, seq, choice.dtype, optimizer=OPTIMIZER).peak for b in BATCHES}
-        batch = next((b for b in BATCHES if peaks[b] <= MEMORY_SHARE * memory), None)
-        rows.append(PresetRow(name, cfg.num_parameters(), cfg.num_parameters(non_embedding=True), batch or 1, seq,
-                              None, False, peaks[batch or 1], False, batch is not None))
-        if batch is not None:
-            work[name] = Work(cfg, flops_per_token(cfg, seq) * batch * seq, newton_schulz_flops(cfg, ns_steps))
+    rows, work = candidates(configs, seq_len, memory, choice.dtype, precision_policy(device).newton_schulz_steps)
     fitting = [r for r in rows if r.fits]
     times: dict[str, StepTime] = {}
     best = None
@@ -274,6 +263,23 @@ def plan(budget_s: float, device_name: str = "auto", data_path: str | list[str] 
               + (f"; {', '.join(paths)}: about {n_data / 1e6:,.1f}M tokens (estimated from the first "
                  f"{SAMPLE_BYTES >> 20} MB of each file)" if n_data else ""))
     return rows, best, why(best, rows), header
+
+
+def candidates(configs: dict[str, Any], seq_len: int | None, memory: int, dtype: torch.dtype, ns_steps: int
+               ) -> tuple[list[PresetRow], dict[str, Work]]:
+    """A row for each candidate, cheapest step first, at the recipe's batch or the largest below it that fits in
+    `memory` (judged at that batch); and the work of a step of each that fits."""
+    rows: list[PresetRow] = []
+    work: dict[str, Work] = {}
+    for name, cfg in sorted(configs.items(), key=lambda nc: flops_per_token(nc[1], seq_len or nc[1].max_seq_len)):
+        seq = seq_len or cfg.max_seq_len
+        peaks = {b: estimate_memory(cfg, b, seq, dtype, optimizer=OPTIMIZER).peak for b in BATCHES}
+        batch = next((b for b in BATCHES if peaks[b] <= MEMORY_SHARE * memory), None)
+        rows.append(PresetRow(name, cfg.num_parameters(), cfg.num_parameters(non_embedding=True), batch or 1, seq,
+                              None, False, peaks[batch or 1], False, batch is not None))
+        if batch is not None:
+            work[name] = Work(cfg, flops_per_token(cfg, seq) * batch * seq, newton_schulz_flops(cfg, ns_steps))
+    return rows, work
 
 
 def estimated_step_s(w: Work, work: dict[str, Work], times: dict[str, StepTime]) -> float:

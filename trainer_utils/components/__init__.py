@@ -1,7 +1,7 @@
 """The in-loop extras, one module each (components/base.py says what a component is). They run in this order
 after each step: the time budget's guard (first: a re-plan that ends the run here makes this step's evaluation
 and checkpoint the last), the log, the precision fallback's check (it reads the counters the log synced), then at
-evaluations the validation loss, the downstream tasks, layer statistics, samples and probes, and early stopping
+evaluations the validation loss, whether it is on track (it reads the losses just measured), the downstream tasks, layer statistics, samples and probes, and early stopping
 (which reads the validation loss); the memory check wraps the one step it measures."""
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from .fallback import NonfiniteGuard
 from .layer_stats import LayerStats
 from .log import TrainLog
 from .memory import MemoryCheck
+from .on_track import OnTrack
 from .samples import SamplesAndProbes
 
-COMPONENTS: tuple[type[Component], ...] = (TimeBudgetGuard, TrainLog, NonfiniteGuard, Evaluation, DownstreamEval,
-                                           LayerStats, SamplesAndProbes, EarlyStopping, MemoryCheck)
+COMPONENTS: tuple[type[Component], ...] = (TimeBudgetGuard, TrainLog, NonfiniteGuard, Evaluation, OnTrack,
+                                           DownstreamEval, LayerStats, SamplesAndProbes, EarlyStopping, MemoryCheck)
 
 __all__ = ["COMPONENTS", "Component", "StepOutcome", "Stop", "every"]

@@ -1,0 +1,180 @@
+"""Is the loss on track (trainer_utils/components/on_track.py): the expected loss at each share of a run (the
+progress table, by hand), when the loss model applies and when it does not, the lines it prints (once per kind of
+trouble, and not again after a resume), and a real run that reports its expected loss."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_train import flags
+
+import train_pretrain
+from trainer_utils.components import on_track
+from trainer_utils.components.on_track import OnTrack, not_applicable
+from trainer_utils.config import OptimConfig
+from trainer_utils.loss_model import FIT_RESULTS, PROGRESS, SHIPPED, LossModel, Progress
+
+from conftest import ROOT, strict_records
+
+TABLE = Progress(shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.02))
+FLAT = LossModel(E=2.0, A=0.0, alpha=1.0, B=1000.0, beta=1.0)  # 2 + 1000 / tokens, whatever the size
+FALLING = LossModel(E=2.0, A=0.0, alpha=1.0, B=1e5, beta=1.0)  # 2 + 100,000 / tokens: 4.44 at step 10, 2.24 at 100
+
+
+@pytest.mark.parametrize("tokens,end,expected", [
+    (100, 2000, None),  # 5% of the run: too early to expect anything
+    (200, 2000, (0.9 * 7.0, 0.1)),  # the first share: 0.9 x (2 + 1000 / 200)
+    (500, 2000, (0.9375 * 4.0, 0.0775)),  # a quarter: 0.375 of the way from 0.1 to 0.5
+    (1000, 2000, (3.0, 0.04)),
+    (2000, 2000, (2.5, 0.02)),  # the end
+    (2100, 2000, (2.0 + 1000 / 2100, 0.02)),  # past the planned tokens: as at the end
+])
+def test_the_expected_loss_by_hand(tokens, end, expected):
+    got = TABLE.expected(FLAT, 1e6, tokens, end)
+    assert got == (None if expected is None else pytest.approx(expected, rel=1e-12))
+
+
+def test_the_shipped_progress_table_is_the_recorded_one():
+    recorded = json.loads((ROOT / FIT_RESULTS.replace("loss-model-demo", "loss-model-progress-demo")).read_text())
+    table = recorded["progress"]
+    assert Progress(tuple(table["shares"]), tuple(table["ratios"]), tuple(table["tolerances"])) == PROGRESS
+    assert recorded["model"] == json.loads((ROOT / FIT_RESULTS).read_text())["model"]  # against the shipped model
+    assert all(t >= 0.02 for t in PROGRESS.tolerances) and PROGRESS.shares[-1] == 1.0
+
+
+# ---------------------------------------------------------------------------- the component, on a stand-in run
+class Logger:
+    def __init__(self):
+        self.records, self.messages = [], []
+
+    def log(self, record):
+        self.records.append(record)
+
+    def message(self, text):
+        self.messages.append(text)
+
+
+def fake_ctx(tmp_path=None, **over):
+    """A pretraining run on the loss model's corpus, tokenizer and context, with 100 steps planned, evaluating
+    every 10 and logging every 5; 4,096 tokens a step."""
+    config = SimpleNamespace(
+        data=SimpleNamespace(data_path=[str(ROOT / "dataset/demo/pretrain_demo.jsonl")], tokenizer=None),
+        eval=SimpleNamespace(eval_interval=10), run=SimpleNamespace(log_interval=5),
+        optim=OptimConfig(warmup_steps=20))
+    ctx = SimpleNamespace(config=config, chat=False, objective=SimpleNamespace(unit="tokens"), init_dir=None,
+                          adapters=False, max_seq_len=256, model=SimpleNamespace(config=SimpleNamespace(
+                              num_parameters=lambda non_embedding: 3e6 if non_embedding else 5e6)),
+                          control=SimpleNamespace(total_steps=100), state=SimpleNamespace(step=0, tokens_seen=0),
+                          measured={}, logger=Logger())
+    for k, v in over.items():
+        setattr(ctx, k, v)
+    return ctx
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(chat=True), "not pretraining"),
+    (dict(objective=SimpleNamespace(unit="pairs")), "not pretraining"),
+    (dict(init_dir=Path("out/run")), "the model starts from trained weights"),
+    (dict(adapters=True), "the model starts from trained weights"),
+    (dict(max_seq_len=512), "the loss model was fitted at a context of 256"),
+])
+def test_where_no_loss_model_applies_nothing_is_guessed(change, reason):
+    assert not_applicable(fake_ctx()) is None
+    ctx = fake_ctx(**change)
+    assert not_applicable(ctx) == reason
+    component = OnTrack(ctx)
+    assert component.describe() == {"loss_model": f"not used: {reason}"}
+    assert not any(component.due(step, 100) for step in range(1, 101))
+
+
+def test_other_data_or_another_tokenizer_is_not_the_loss_model_s(tmp_path):
+    ctx = fake_ctx()
+    ctx.config.data.data_path = [str(ROOT / "dataset/demo/sft_demo.jsonl")]
+    assert not_applicable(ctx) == "the loss model was fitted on dataset/demo/pretrain_demo.jsonl alone"
+    ctx.config.data.data_path = [str(ROOT / "dataset/demo/pretrain_demo.jsonl"), str(tmp_path / "more.jsonl")]
+    assert not_applicable(ctx) == "the loss model was fitted on dataset/demo/pretrain_demo.jsonl alone"
+    ctx = fake_ctx()
+    ctx.config.data.tokenizer = str(tmp_path)
+    assert not_applicable(ctx) == "the loss model was fitted with the shipped tokenizer"
+    ctx.config.data.tokenizer = str(ROOT / "model" / "tokenizer")
+    assert not_applicable(ctx) is None
+
+
+def at(ctx, component, step, train=None, val=None):
+    """Step `step` of the stand-in run: its log window's loss and evaluation, as the components before report."""
+    ctx.state.step, ctx.state.tokens_seen = step, 4096 * step
+    ctx.measured = {"train_loss": train, "val_loss": val}
+    assert component.due(step, 100) == (step % 5 == 0)
+    component.run(ctx)
+
+
+def test_an_evaluation_beside_its_expectation_and_each_trouble_flagged_once(monkeypatch):
+    monkeypatch.setattr(on_track, "PROGRESS", TABLE)
+    monkeypatch.setattr(on_track, "SHIPPED", FALLING)
+    ctx = fake_ctx()
+    component = OnTrack(ctx)
+    assert component.describe() == {"loss_model": "applies"}
+    log = ctx.logger
+
+    def expected(step):
+        return 2 + 1e5 / (4096 * step)
+
+    at(ctx, component, 5, train=6.0)  # 5% of the run: nothing expected yet
+    at(ctx, component, 10, train=5.0, val=4.0)  # 10%: 0.9 x 4.441 = 3.997, within 10%
+    assert log.messages == [f"step 10: expected val_loss {0.9 * expected(10):.4f} (±10%): on track"]
+    assert log.records == [{"step": 10, "expected_val_loss": round(0.9 * expected(10), 5), "expected_tolerance": 0.1}]
+    at(ctx, component, 15, train=7.0)  # 7 > 1.3 x 5, but still warming up (20 steps): no spike
+    at(ctx, component, 25, train=6.6)  # after the warm-up: a spike
+    at(ctx, component, 30, train=6.6)  # the same again: said once
+    assert log.messages[1] == ("off track: the training loss jumped to 6.6000 at step 25 (its lowest was 5.0000): "
+                               "check the data around this step (a repeated or garbled document), the learning rate "
+                               "and --grad_clip")
+    assert len(log.messages) == 2 and {"step": 25, "event": "off_track", "kind": "spike"} in log.records
+    at(ctx, component, 50, val=expected(50) * 1.039)  # within 4%: on track
+    assert log.messages[-1] == f"step 50: expected val_loss {expected(50):.4f} (±4%): on track"
+    at(ctx, component, 60, val=expected(60) * 1.0401)  # just over: behind
+    assert log.messages[-2:] == [
+        f"step 60: expected val_loss {expected(60):.4f} (±4%): behind",
+        f"off track: the validation loss is {expected(60) * 1.0401:.4f} at step 60, 4% above the {expected(60):.4f} "
+        "the loss model expects here (its runs spread ±4%): check the learning rate (its runs: --learning_rate "
+        "0.004 --warmup_steps 20), the data and --dtype"]
+    at(ctx, component, 70, val=9.0)  # over 5% above the best so far: diverging, and behind (said before)
+    assert log.messages[-2] == (f"off track: the validation loss rose to 9.0000 at step 70 from its best, "
+                                f"{expected(60) * 1.0401:.4f}: lower --learning_rate, or check --grad_clip and --dtype "
+                                "(fp16 can overflow)")
+    assert log.messages[-1].endswith("behind")
+    count = len(log.messages)
+    at(ctx, component, 80, val=float("nan"))  # not finite: diverging, said before; nothing to compare
+    assert len(log.messages) == count
+    at(ctx, component, 100, val=2.5)  # the end: actual against expected
+    assert log.messages[-1] == (f"step 100: val_loss 2.5000 at the end, the loss model expected {expected(100):.4f} "
+                                f"({2.5 / expected(100) - 1:+.1%})")
+    resumed = OnTrack(fake_ctx())
+    resumed.load_state_dict(component.state_dict())
+    assert resumed.state_dict() == {"flagged": ["spike", "behind", "diverging"], "best_val": 2.5, "lowest_train": 5.0}
+
+
+def test_a_run_without_a_validation_split_expects_nothing(monkeypatch):
+    ctx = fake_ctx()
+    component = OnTrack(ctx)
+    at(ctx, component, 10, train=5.0, val=None)
+    assert ctx.logger.messages == [] and ctx.logger.records == []
+
+
+# ---------------------------------------------------------------------------- a real run
+def test_a_pretraining_run_on_the_loss_model_s_corpus_reports_its_expectation(corpus, tmp_path, capsys,
+                                                                              monkeypatch):
+    monkeypatch.setattr(on_track, "FIT_DATA", str(corpus["pretrain"]))  # the small corpus stands in for the demo's
+    assert train_pretrain.main(flags(corpus, tmp_path, max_seq_len=256, max_steps=8)) == 0
+    err = capsys.readouterr().err
+    records = strict_records(tmp_path / "run")
+    expected = [r for r in records if "expected_val_loss" in r]
+    assert [r["step"] for r in expected] == [4, 8]
+    assert "step 4: expected val_loss" in err and "step 8: val_loss" in err and "at the end, the loss model" in err
+    config = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert config["resolved"]["loss_model"] == "applies"
+    assert train_pretrain.main(flags(corpus, tmp_path, "other", max_seq_len=64, max_steps=4)) == 0
+    assert "expected val_loss" not in capsys.readouterr().err  # another context: nothing guessed
+    assert not any("expected_val_loss" in r for r in strict_records(tmp_path / "other"))
