@@ -137,6 +137,10 @@ PLANNER_EQUIVALENT = (
     Equivalent("plan", ('choose_dtype("auto", device, )',), 'choose_dtype\'s purpose defaults to "train"'),
     Equivalent("plan", ('float("INF")',), 'float() reads "INF" as infinity, as it reads "inf"'),
 )
+ON_TRACK_EQUIVALENT = (
+    Equivalent("OnTrack.watch_training", ("or train_loss <= lowest)",), "an equal loss leaves the lowest as it was"),
+    Equivalent("OnTrack.compare", ("or val_loss <= best:",), "an equal loss leaves the best as it was"),
+)
 EXTRACT_EQUIVALENT = (
     Equivalent("decode_text", ('encoding or "UTF-8"',), "codec names are case-insensitive: UTF-8 is the utf-8 codec"),
     Equivalent("_slug", ('.encode("ASCII", "ignore")', '.strip("XX-XX")'),
@@ -254,7 +258,7 @@ TARGETS: dict[str, Target] = {
     "common/tools.py": Target(TOOL_TESTS, TOOLS_EQUIVALENT),
     "trainer_utils/loss_model.py": Target(("tests/test_loss_model.py", "tests/test_on_track.py"),
                                           LOSS_MODEL_EQUIVALENT),
-    "trainer_utils/components/on_track.py": Target(("tests/test_on_track.py",)),
+    "trainer_utils/components/on_track.py": Target(("tests/test_on_track.py",), ON_TRACK_EQUIVALENT),
 }
 
 

@@ -13,8 +13,8 @@ start falls into: Besiroglu et al. 2024 found Hoffmann et al.'s own fit ended in
 """
 from __future__ import annotations
 
-import itertools
 import bisect
+import itertools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence

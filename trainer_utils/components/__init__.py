@@ -1,8 +1,9 @@
 """The in-loop extras, one module each (components/base.py says what a component is). They run in this order
 after each step: the time budget's guard (first: a re-plan that ends the run here makes this step's evaluation
 and checkpoint the last), the log, the precision fallback's check (it reads the counters the log synced), then at
-evaluations the validation loss, whether it is on track (it reads the losses just measured), the downstream tasks, layer statistics, samples and probes, and early stopping
-(which reads the validation loss); the memory check wraps the one step it measures."""
+evaluations the validation loss, whether it is on track (it reads the losses just measured), the downstream
+tasks, layer statistics, samples and probes, and early stopping (which reads the validation loss); the memory
+check wraps the one step it measures."""
 from __future__ import annotations
 
 from ..context import StepOutcome, Stop, every

@@ -18,7 +18,7 @@ from typing import Any
 
 from common.files import DEFAULT_TOKENIZER_DIR, PROJECT_ROOT
 
-from ..context import Report, RunContext, every
+from ..context import RunContext, every
 from ..loss_model import FIT_CONTEXT, FIT_DATA, PROGRESS, RECIPE, SHIPPED
 from .base import Component
 
@@ -70,7 +70,7 @@ class OnTrack(Component):
         self.memory.update(state)
 
     def due(self, step: int, last: int) -> bool:
-        return self.why_not is None and (every(self.eval_interval, step, last) or every(self.log_interval, step, last))
+        return self.why_not is None and any(every(i, step, last) for i in (self.eval_interval, self.log_interval))
 
     def run(self, ctx: RunContext) -> None:
         step, last = ctx.state.step, ctx.control.total_steps
