@@ -37,6 +37,13 @@ def test_the_expected_loss_by_hand(tokens, end, expected):
     assert got == (None if expected is None else pytest.approx(expected, rel=1e-12))
 
 
+def test_a_table_of_one_share_expects_its_ratio_from_there_on():
+    single = Progress(shares=(0.5,), ratios=(1.25,), tolerances=(0.05,))
+    assert single.expected(FLAT, 1e6, 400, 1000) is None
+    assert single.expected(FLAT, 1e6, 500, 1000) == (1.25 * 4.0, 0.05)
+    assert single.expected(FLAT, 1e6, 1000, 1000) == (1.25 * 3.0, 0.05)
+
+
 def test_the_shipped_progress_table_is_the_recorded_one():
     recorded = json.loads((ROOT / FIT_RESULTS.replace("loss-model-demo", "loss-model-progress-demo")).read_text())
     table = recorded["progress"]

@@ -138,15 +138,20 @@ class Progress:
     def expected(self, model: LossModel, n: float, tokens: float, tokens_end: float) -> tuple[float, float] | None:
         """(the validation loss expected, its relative tolerance) of a model of `n` parameters after `tokens` of a
         run planned for `tokens_end`; None too early in the run."""
-        f = min(tokens / tokens_end, 1.0)
+        f = tokens / tokens_end
         if f < self.shares[0]:
             return None
-        i = min(bisect.bisect_right(self.shares, f), len(self.shares) - 1)
-        lo = max(i - 1, 0)
-        w = 0.0 if i == lo else (f - self.shares[lo]) / (self.shares[i] - self.shares[lo])
-        ratio = self.ratios[lo] + w * (self.ratios[i] - self.ratios[lo])
-        tolerance = self.tolerances[lo] + w * (self.tolerances[i] - self.tolerances[lo])
-        return ratio * model.loss(n, tokens), tolerance
+        return (interpolate(self.shares, self.ratios, f) * model.loss(n, tokens),
+                interpolate(self.shares, self.tolerances, f))
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """ys at x, linear between the points (xs ascending, x at least xs[0]); past the last, the last."""
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)  # xs[i - 1] <= x < xs[i]
+    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
 
 # The progress of six runs of depths 3-5 for 240 and 480 steps, evaluated every tenth of their steps, against SHIPPED
