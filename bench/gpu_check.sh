@@ -7,7 +7,8 @@
 #   3. which SDPA backend serves the training attention (flash expected)
 #   4. throughput of the 26M, 26M-MoE (vs dense at equal active parameters) and 104M presets (tokens/s, MFU, memory)
 #   5. a short generation benchmark (KV cache vs none vs transformers, when installed)
-#   6. python -m model --plan's table for a 2-hour budget, and a 45 s --time_budget run of the demo recipe
+#   6. python -m model --plan's table for a 2-hour budget, and a 60 s --preset auto run of the demo recipe (planned,
+#      then trained in its budget)
 # If $OUT is set, results go there: gpu_check.log (every check's output), summary.json, throughput.json and
 # generation.json. Installs nothing; needs no network. Without a GPU it stops after the environment check.
 set -uo pipefail
@@ -102,7 +103,7 @@ check throughput 240 "$PY" bench/bench_train.py --presets minimind-26m minimind-
 check generation 90 "$PY" bench/bench_generate.py --preset minimind-26m --new_tokens 128 \
     --out "$OUT_DIR/generation.json"
 check plan 90 "$PY" -m model --plan --time_budget 2h --device cuda
-check time_budget 75 "$PY" train_pretrain.py --config recipes/demo-pretrain.yaml --device cuda --time_budget 45s \
+check time_budget 90 "$PY" train_pretrain.py --config recipes/demo-pretrain.yaml --preset auto --device cuda --time_budget 60s \
     --max_steps 100000 --out_dir "$(mktemp -d)" --run_name gpu-check-budget
 
 # The summary: each check's result and time, then the headline numbers, also as summary.json.

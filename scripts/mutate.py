@@ -132,10 +132,10 @@ OBJECTIVES_EQUIVALENT = (
 TOOL_TESTS = ("tests/test_tools.py", "tests/test_agent.py", "tests/test_properties.py")
 RL_TESTS = ("tests/test_rl.py", "tests/test_agent.py")
 PLANNER_EQUIVALENT = (
-    Equivalent("time_steps", ("(0.9, 0.95), None, device)", "(0.9, 0.95), 1.9, device)"),
-               "build_optimizer reads momentum only for SGD; Muon's is muon_momentum (0.95): the same optimizer"),
-    Equivalent("plan", ('choose_dtype("auto", device, )',), 'choose_dtype\'s purpose defaults to "train"'),
-    Equivalent("plan", ('float("INF")',), 'float() reads "INF" as infinity, as it reads "inf"'),
+    Equivalent("plan", ("choose_dtype(dtype, device, )",), 'choose_dtype\'s purpose defaults to "train"'),
+    Equivalent("plan", ("fitting[max(1, fitting.index(best) - 1)",),
+               "fitting[0], the cheapest, is timed in the first round: leaving it out of the pick's neighbours times "
+               "nothing less"),
 )
 ON_TRACK_EQUIVALENT = (
     Equivalent("OnTrack.watch_training", ("or train_loss <= lowest)",), "an equal loss leaves the lowest as it was"),

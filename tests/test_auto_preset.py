@@ -11,6 +11,7 @@ from test_train import flags
 import train_full_sft
 import train_pretrain
 from common.errors import ConfigError
+from trainer_utils import driver as driver_mod
 from trainer_utils import planner
 from trainer_utils.loss_model import RECIPE
 from trainer_utils.planner import PresetRow, resolve_auto
@@ -50,8 +51,8 @@ def test_what_auto_cannot_do_is_one_line(corpus, tmp_path, capsys, script, argv,
     assert err == [message] and not (tmp_path / "run").exists(), err
 
 
-def pick(name, loss):
-    return PresetRow(name, 1000, 500, 16, 256, 10.0, True, 0, False, True, 100.0, 100.0, 1.0, loss)
+def pick(name, loss, measured=True):
+    return PresetRow(name, 1000, 500, 16, 256, 10.0, measured, 0, False, True, 100.0, 100.0, 1.0, loss)
 
 
 def stub_plan(monkeypatch, best):
@@ -59,8 +60,10 @@ def stub_plan(monkeypatch, best):
 
     def plan(budget_s, device, data_path, **kw):
         asked.append((budget_s, device, data_path, kw))
-        rows = [pick("depth-2", 4.0), best] if best else [PresetRow("depth-9", 1, 1, 1, 256, None, False, 9, False,
-                                                                     False)]
+        rows = [pick(f"depth-{d}", 4.0 + d, measured=False) for d in range(1, 13)] if best else [
+            PresetRow("depth-9", 1, 1, 1, 256, None, False, 9, False, False)]
+        if best:
+            rows[2] = best  # the third of twelve: the table shows the rows around it
         return rows, best, "the reason", "the header"
 
     monkeypatch.setattr(planner, "plan", plan)
@@ -77,8 +80,10 @@ def test_auto_sets_the_pick_and_a_name_resume_finds(monkeypatch, tmp_path, capsy
     assert asked == [(558.0, "cpu", ["a.jsonl:2", "b.jsonl"], dict(seq_len=128, min_seconds=planner.AUTO_MIN_SECONDS,
                                                                    dtype="float32", tokenizer_dir="tok"))]
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "--preset auto: the header" and err[-1] == "--preset auto: the reason"
-    assert "| depth-3 ⭐ |" in "\n".join(err)
+    rows = planner.plan(0, "cpu", [])[0]
+    assert err == ["--preset auto: the header", *planner.table(planner.shown(rows, rows[2]), rows[2]).splitlines(),
+                   "--preset auto: the reason"]
+    assert len(err) == 2 + 2 + 5 and "| depth-3 ⭐ |" in err[5]  # depth-1 to depth-5 of the twelve
     named = auto_config(tmp_path, "--run_name", "mine")
     resolve_auto(named, "pretrain", 0.0)
     assert named.run.run_name == "mine"
@@ -101,17 +106,28 @@ def test_a_resumed_auto_run_keeps_its_model_and_plans_nothing(monkeypatch, tmp_p
 
 
 def test_auto_refuses_what_it_cannot_plan(monkeypatch, tmp_path):
-    stub_plan(monkeypatch, None)
+    asked = stub_plan(monkeypatch, None)
     with pytest.raises(ConfigError, match="^--preset auto: the reason$"):
         resolve_auto(auto_config(tmp_path), "pretrain", 0.0)
+    with pytest.raises(ConfigError) as e:  # the budget gone before the plan: nothing to plan for
+        resolve_auto(auto_config(tmp_path), "pretrain", 600.0)
+    assert str(e.value) == ("--time_budget 10m: setting up took 10m 00s, the whole budget, before the plan; give a "
+                            "longer one") and len(asked) == 1
+    with pytest.raises(ConfigError, match="^--preset auto: the reason$"):  # a second left is still a budget
+        resolve_auto(auto_config(tmp_path), "pretrain", 599.0)
+    assert asked[-1][0] == 1.0
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="under torchrun, plan first with `python -m model --plan"):
+    with pytest.raises(ConfigError) as e:
         resolve_auto(auto_config(tmp_path), "pretrain", 0.0)
+    assert str(e.value) == ("--preset auto times candidates in one process; under torchrun, plan first with `python -m "
+                            "model --plan --time_budget D` and pass the --preset it recommends")
 
 
-def test_an_auto_run_trains_the_pick_within_its_budget(corpus, tmp_path, capsys):
-    # a context of 32 tokens: the depth family's smallest steps take milliseconds, so several are timed
+def test_an_auto_run_trains_the_pick_within_its_budget(corpus, tmp_path, capsys, monkeypatch):
+    # a context of 32 tokens: the depth family's smallest steps take milliseconds, so several are timed; the budget
+    # counts from main(), not from the start of this long-lived test process
+    monkeypatch.setattr(driver_mod, "process_age", lambda: 0.0)
     base = [a for a in flags(corpus, tmp_path, max_steps=None, batch_size=None, learning_rate=None,
                              warmup_steps=None, eval_interval=50, save_interval=50, log_interval=10)
             if a not in ("--preset", "tiny", "--run_name", "run")]

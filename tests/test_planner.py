@@ -60,6 +60,12 @@ def test_the_table_of_tiny_presets_is_consistent(small_corpus):
     assert best.name in reason
 
 
+def test_the_family_is_every_depth():
+    names = planner.family()
+    assert names[0] == "depth-1" and names[-1] == "depth-48" and len(names) == 48
+    assert names == [f"depth-{n}" for n in range(1, 49)]
+
+
 def test_the_data_estimate_is_the_tokenized_count(small_corpus, tokenizer):
     records = demo_records("pretrain_demo.jsonl", 30)
     exact = sum(len(tokenizer.encode(r["text"])) + 1 for r in records)
@@ -236,6 +242,10 @@ def test_the_rows_shown_are_the_timed_the_pick_s_neighbours_and_the_first_too_bi
     assert [r.name for r in planner.shown(rows, rows[0])] == ["d1", "d2", "d3", "d6", "d7", "big"]  # the first
     assert [r.name for r in planner.shown(rows, None)] == ["d1", "d6", "d7", "big"]
     assert planner.shown(rows[:8], rows[3]) == rows[:8]  # few: every row
+    assert [r.name for r in planner.shown(rows[:9], rows[4])] == ["d1", "d3", "d4", "d5", "d6", "d7"]  # 9: not few
+    for r in rows:
+        r.speed_measured = False
+    assert [r.name for r in planner.shown(rows, rows[1])] == ["d1", "d2", "d3", "d4", "big"]
 
 
 REASON = "b: the lowest expected validation loss, 3.50, after 2.0M tokens (0.1 per parameter)"
@@ -250,6 +260,8 @@ REASON = "b: the lowest expected validation loss, 3.50, after 2.0M tokens (0.1 p
      "; a expects 4.00 after 4.0M; larger ones do not fit in memory"),
     ([row("c", 40e6, 4.0), row("big", 1e9, fits=False)], "; c expects 4.00 after 1.0M"),  # one larger fits
     ([row("small", 1e6, fits=False)], ""),  # alone
+    ([row("twin", 20e6, 3.9), row("c", 40e6, 4.0)], "; c expects 4.00 after 1.0M"),  # as large: no neighbour
+    ([row("twin", 20e6, fits=False)], ""),  # as large, not fitting: no larger one
 ])
 def test_the_reason_whole(others, suffix):
     best = row("b", 20e6, 3.5, trained=2e6)
@@ -362,14 +374,15 @@ def assert_rows(rows, expected):
 def test_a_cpu_plan_by_hand(monkeypatch):
     configs = {  # plan takes them by FLOPs per token: a 16, b 32, c 80, d 128, e 256
         "e": FakeConfig(20_000, 10_000, 64, 256, 0, 10), "d": FakeConfig(9_000, 5_000, 64, 128, 0, 1000),
-        "c": FakeConfig(3_000, 1_000, 64, 80, 0, 100), "b": FakeConfig(2_000, 400, 64, 32, 512, 50),
+        "c": FakeConfig(3_000, 1_000, 64, 80, 0, 106.25), "b": FakeConfig(2_000, 400, 64, 32, 512, 50),
         "a": FakeConfig(1_000, 100, 64, 16, 0, 50)}
     steps = {"a": planner.StepTime(1.0, 0.0, None), "b": planner.StepTime(1.0, 0.5, None),
              "c": planner.StepTime(5.0, 0.0, None)}
     calls = stub_plan(monkeypatch, configs, steps, "cpu", torch.float32, n_data=None)
     model = LossModel(E=0.5, A=1000.0, alpha=1.0, B=921_600.0, beta=1.0)  # 0.5 + 1000 / N + 921,600 / D
     rows, best, reason, header = planner.plan(1000.0, max_step_s=6.0, min_seconds=0.5, loss_model=model)
-    # 850 of the 1000 bytes may be filled: a, b and e at the recipe's batch, 16 (800, 800, 160 bytes), c at 8 (800),
+    # 850 of the 1000 bytes may be filled: a, b and e at the recipe's batch, 16 (800, 800, 160 bytes), c at 8 (850,
+    # exactly the bound),
     # d not even at 1. 1000 s: 900 of them in steps, each of 16 (c: 8) x 64 tokens.
     # Round 1 times the cheapest, a: 16 x 16 x 64 = 16,384 FLOPs in 1 s. From its rate: b's 32,768 in 2 s, c's
     #    40,960 in 2.5 s, e's 262,144 in 16 s: 1,024, 512, 204.8 and 64 tokens/s; 921,600, 460,800, 184,320 and
@@ -384,7 +397,7 @@ def test_a_cpu_plan_by_hand(monkeypatch):
     assert_rows(rows, [
         ("a", 1_000, 100, 16, 64, 1024.0, True, 800, False, True, 921_600.0, 921_600.0, None, 11.5),
         ("b", 2_000, 400, 16, 64, 1024 / 1.5, True, 800, False, True, 614_400.0, 614_400.0, None, 4.5),
-        ("c", 3_000, 1_000, 8, 64, 102.4, True, 800, False, True, 92_160.0, 92_160.0, None, 11.5),
+        ("c", 3_000, 1_000, 8, 64, 102.4, True, 850, False, True, 92_160.0, 92_160.0, None, 11.5),
         ("d", 9_000, 5_000, 1, 64, None, False, 1000, False, False, 0.0, 0.0, None, None),
         ("e", 20_000, 10_000, 16, 64, 32.0, False, 160, False, True, 28_800.0, 28_800.0, None, 32.6)])
     assert best is rows[1]
@@ -400,36 +413,63 @@ def test_a_cpu_plan_by_hand(monkeypatch):
 
 
 def test_a_gpu_plan_by_hand(monkeypatch):
-    configs = {"p": FakeConfig(4096, 1000, 999, 2, 1024, 10), "q": FakeConfig(4e6, 1e6, 999, 54, 2048, 20),
+    configs = {"p": FakeConfig(4096, 1000, 999, 2, 1024, 10), "q": FakeConfig(4e6, 1e6, 999, 27, 2048, 20),
                "r": FakeConfig(9e6, 1e7, 999, 8, 0, 1000)}
     steps = {"p": planner.StepTime(0.5, 0.0, 777)}
-    calls = stub_plan(monkeypatch, configs, steps, "cuda", torch.bfloat16, n_data=10_000)
+    calls = stub_plan(monkeypatch, configs, steps, "cuda", torch.bfloat16, n_data=525_000)
     model = LossModel(E=1.0, A=1000.0, alpha=1.0, B=3072.0, beta=1.0)  # 1 + 1000 / N + 3,072 / D
     rows, best, reason, header = planner.plan(90.0, "cuda", ["data.jsonl:0.5", "more.jsonl"], ["q", "r", "p"],
                                               seq_len=32, dtype="float16", loss_model=model, tokenizer_dir="tok")
-    # 850 of 1000 bytes; the defaults: 2 s of timed steps, 20 s the longest step to time; 81 s in steps.
+    # 850 of 1000 bytes; the defaults: 2 s of timed steps, 20 s the longest step to time; 81 s in steps; the two
+    # files hold 1,050,000 tokens.
     # p: 16 x 10 = 160 bytes fit. Its step of 16 x 32 tokens: 2 x 512 = 1,024 FLOPs in 0.5 s (2,048 FLOP/s), its
     #    update's 1,024 in no time (counted as 1e-9 s), its peak measured: 777 bytes. 1,024 tokens/s: 82,944
-    #    tokens, 4.1472 epochs of the two files' 20,000 tokens, of which 4 count (80,000): 1 + 1 + 0.0384 = 2.0384
+    #    tokens, 0.079 epochs: 1 + 1 + 3,072 / 82,944
     # r: 1 x 1000 do not fit
-    # q: 16 x 20 = 320 fit. Predicted 54 x 512 / 2,048 + 2,048 / 1.024e12 = 13.5 s and a little: 512 / 13.5
-    #    tokens/s, 3,072 tokens (bar a little), 1 + 0.001 + 1 = 2.001: the pick. Timing it would take 3 x 13.5 s,
-    #    over 20: it stays estimated, its memory too: 320 bytes.
-    q_speed = 512 / (13.5 + 2e-9)
+    # q: 16 x 20 = 320 fit. Predicted 27 x 512 / 2,048 + 2,048 / 1.024e12 = 6.75 s and a little: 512 / 6.75
+    #    tokens/s, 6,144 tokens (bar a little), 1 + 0.001 + 0.5 = 1.501: the pick. Timing it would take 3 x 6.75 =
+    #    20.25 s, just over 20: it stays estimated, its memory too: 320 bytes.
+    q_speed = 512 / (6.75 + 2e-9)
     q_tokens = q_speed * 81
     assert_rows(rows, [
-        ("p", 4096, 1000, 16, 32, 1024.0, True, 777, True, True, 82_944.0, 80_000.0, 4.1472, 2.0384),
+        ("p", 4096, 1000, 16, 32, 1024.0, True, 777, True, True, 82_944.0, 82_944.0, 82_944 / 1.05e6,
+         2 + 3072 / 82_944),
         ("r", 9e6, 1e7, 1, 32, None, False, 1000, False, False, 0.0, 0.0, None, None),
-        ("q", 4e6, 1e6, 16, 32, q_speed, False, 320, False, True, q_tokens, q_tokens, q_tokens / 20_000,
+        ("q", 4e6, 1e6, 16, 32, q_speed, False, 320, False, True, q_tokens, q_tokens, q_tokens / 1.05e6,
          1.001 + 3072 / q_tokens)])
     assert best is rows[2]
     assert calls["timed"] == [("p", torch.device("cuda"), torch.bfloat16, 16, 32, 2.0)]
     assert calls["data"] == [(Path("data.jsonl"), Path("tok")), (Path("more.jsonl"), Path("tok"))]  # no weights
     assert {seq for _, seq in calls["flops"]} == {32} and calls["device"] == ["cuda"] and calls["dtype"] == ["float16"]
     assert header == ("time budget 1m 30s on cuda (bfloat16: the reason); 90% of it in training steps; data.jsonl, "
-                      "more.jsonl: about 0.0M tokens (estimated from the first 2 MB of each file)")
-    assert reason == ("q: the lowest expected validation loss, 2.00, after 3.1K tokens (0.000768 per parameter); p "
-                      "expects 2.04 after 80.0K; larger ones do not fit in memory")
+                      "more.jsonl: about 1.1M tokens (estimated from the first 2 MB of each file)")
+    assert reason == ("q: the lowest expected validation loss, 1.50, after 6.1K tokens (0.00154 per parameter); p "
+                      "expects 2.04 after 82.9K; larger ones do not fit in memory")
+
+
+def test_only_the_pick_and_its_neighbours_are_timed(monkeypatch):
+    # steps whose seconds are their FLOPs at a's rate, so every estimate is what timing would measure: a's 1 x 16 x
+    # 64 FLOPs a token... f's context is 128 (twice the tokens a step, so 64 s)
+    configs = {n: FakeConfig(1_000, 2 ** k, 64 * (2 if n == "f" else 1), 2 ** k, 0, 1)
+               for k, n in enumerate("abcdef")}
+    steps = {n: planner.StepTime(2.0 ** k, 0.0, None) for k, n in enumerate("abcde")}
+    calls = stub_plan(monkeypatch, configs, steps, "cpu", torch.float32, n_data=None)
+    # 0 + 64 / N + 921,600 / D: at 2^k non-embedding parameters and 921,600 / 2^k tokens (k < 5), 64 / 2^k + 2^k:
+    # 65, 34, 20, 16, 20 for a to e; f reads 28,800 tokens (2,048 a step, 32 tokens/s): 2 + 32 = 34
+    model = LossModel(E=0.0, A=64.0, alpha=1.0, B=921_600.0, beta=1.0)
+    rows, best, _, _ = planner.plan(1000.0, max_step_s=50.0, min_seconds=0.5, loss_model=model)
+    assert best.name == "d" and [r.expected_loss for r in rows] == pytest.approx([65.0, 34.0, 20.0, 16.0, 20.0, 34.0])
+    # a first, then d's neighbours: never b, two below it, nor f, two above
+    assert [name for name, *_ in calls["timed"]] == ["a", "c", "d", "e"]
+    assert rows[-1].tokens_per_s == 32.0 and not rows[-1].speed_measured
+
+
+def test_nothing_fits_nothing_is_timed(monkeypatch):
+    configs = {"a": FakeConfig(1_000, 100, 64, 16, 0, 1000)}
+    calls = stub_plan(monkeypatch, configs, {}, "cpu", torch.float32, n_data=None)
+    rows, best, reason, _ = planner.plan(60.0)
+    assert best is None and not rows[0].fits and calls["timed"] == []
+    assert reason == "nothing fits in this device's memory even at batch 1"
 
 
 # ---------------------------------------------------------------------------- timing, on a stub clock
@@ -494,6 +534,30 @@ def test_the_timed_step_is_pretrainings_on_random_tokens():
     assert (muon["owner"], muon["lr"], muon["weight_decay"]) == ("muon", 5e-4, 0.1)
     assert {g["owner"] for g in adamw} == {"adamw"} and all(g["lr"] == 5e-4 for g in adamw)
     assert optimizer.adamw.defaults["betas"] == (0.9, 0.95) and step.backend.grad_clip == 1.0
+
+
+def test_the_step_is_built_on_the_device_asked_for(monkeypatch):
+    """Every part of the step is put on the device given (on a CPU, one left out would land there too: spied)."""
+    cpu, seen = torch.device("cpu"), []
+    real_to, real_backend, real_router = PocketLM.to, planner.TorchBackend, planner.RouterBalance
+    real_randint, real_tensor = torch.randint, torch.tensor
+    monkeypatch.setattr(PocketLM, "to", lambda self, *a, **k: seen.append(("model", a, k)) or real_to(self, *a, **k))
+    monkeypatch.setattr(planner, "TorchBackend", lambda comm, device, *a: seen.append(("backend", device))
+                        or real_backend(comm, device, *a))
+    monkeypatch.setattr(planner, "RouterBalance", lambda cfg, backend, device: seen.append(("router", cfg, device))
+                        or real_router(cfg, backend, device))
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: seen.append(("tokens", a, k)) or real_randint(*a, **k))
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (seen.append(("count", a, k)) if a == (32.0,) else None)
+                        or real_tensor(*a, **k))
+    moe = get_preset("tiny", vocab_size=64, num_experts=4, num_experts_per_tok=2)
+    step = planner.pretraining_step(moe, cpu, Precision(cpu, torch.float32), 4, 8)
+    assert seen == [("model", (cpu,), {}), ("backend", cpu), ("router", moe, cpu),
+                    ("tokens", (0, 64, (4, 8)), {"device": cpu}), ("count", (32.0,), {"device": cpu})]
+    assert step.step.router is not None and step.backend.device == cpu
+    step.backward()  # a mixture of experts: the router is told the step's tokens first
+    assert step.step.router.n_tokens.item() == 32.0
+    dense = planner.pretraining_step(get_preset("tiny", vocab_size=64), cpu, Precision(cpu, torch.float32), 4, 8)
+    assert dense.step.router is None
 
 
 def test_the_timed_backward_is_the_mean_next_token_loss_scaled_for_fp16():
@@ -655,6 +719,8 @@ def test_a_long_plan_hides_the_rows_far_from_the_pick(monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[1:8] == planner.table(rows[7:12], rows[9]).splitlines()
     assert out[8] == "(15 more of the depth family, estimated, not shown: --presets NAME ... plans only those)"
+    assert out[11] == ("  or: python train_pretrain.py --preset auto --time_budget 1h (plans again, then trains the "
+                       "pick)")
 
 
 def test_a_gpu_step_is_built_there_and_measures_its_peak_memory(monkeypatch):

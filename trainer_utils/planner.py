@@ -432,6 +432,9 @@ def resolve_auto(config: TrainConfig, stage_name: str, spent_s: float) -> None:
         raise ConfigError("--preset auto times candidates in one process; under torchrun, plan first with "
                           "`python -m model --plan --time_budget D` and pass the --preset it recommends")
     budget_s = config.optim.budget_s - spent_s
+    if budget_s <= 0:
+        raise ConfigError(f"--time_budget {config.optim.time_budget}: setting up took {format_duration(spent_s)}, the "
+                          "whole budget, before the plan; give a longer one")
     rows, best, reason, header = plan(budget_s, config.precision.device, config.data.data_path, seq_len=m.max_seq_len,
                                       min_seconds=AUTO_MIN_SECONDS, dtype=config.precision.dtype,
                                       tokenizer_dir=config.data.tokenizer)
