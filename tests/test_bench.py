@@ -293,3 +293,52 @@ def test_bench_install_summarises_a_run_from_its_metrics(tmp_path):
     # the pin the benchmark resolves is the one make installs (make's own reading of the Makefile)
     dry_run = subprocess.run(["make", "-n", "install"], cwd=ROOT, capture_output=True, text=True).stdout
     assert f'"torch=={bench_install.torch_version()}"' in dry_run
+
+
+def fake_training(tmp_path, losses, expected, calls):
+    """Stands in for train_pretrain.py processes: a run of `preset` (auto resolves to depth-3) ends at step 10
+    with validation loss losses[its preset] (bits per byte half of it); the auto run expected `expected`."""
+    def run(cmd, cwd, capture_output, text):
+        preset, name = cmd[cmd.index("--preset") + 1], cmd[cmd.index("--run_name") + 1]
+        calls.append(preset)
+        resolved = "depth-3" if preset == "auto" else preset
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "train_config.json").write_text(json.dumps({"model": {"preset": resolved}}))
+        records = [{"step": 5, "val_loss": 9.0}, {"step": 8, "event": "time_budget"}, {"step": 10, "loss": 5.0},
+                   {"step": 10, "val_loss": losses[resolved], "val_bpb": losses[resolved] / 2}]
+        if preset == "auto":
+            records.append({"step": 10, "expected_val_loss": expected})
+        (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "time budget 1m 00s: 58.2s spent (97%)\n")
+    return run
+
+
+def test_bench_auto_trains_the_pick_its_neighbours_and_the_hand_sized_model_once(tmp_path, monkeypatch):
+    b = bench_module("bench_auto")
+    calls = []
+    monkeypatch.setattr(b.subprocess, "run", fake_training(tmp_path, {"depth-2": 3.9, "depth-3": 3.8,
+                                                                     "depth-4": 3.95, "mini-30m": 4.0}, 3.7, calls))
+    out = tmp_path / "auto.json"
+    assert b.main(["--budgets", "1m", "--presets", "mini-30m", "--runs_dir", str(tmp_path), "--out", str(out)]) == 0
+    assert calls == ["auto", "depth-4", "depth-2", "mini-30m"]  # depth-4: hand-sized and a neighbour, trained once
+    r = json.loads(out.read_text())["results"][0]
+    assert r["pick"] == {"budget": "1m", "run": "auto-1m", "preset": "depth-3", "steps": 10, "val_loss": 3.8,
+                         "val_bpb": 1.9, "spent_share": 0.97, "replans": 1, "expected_val_loss": 3.7}
+    assert [o["preset"] for o in r["others"]] == ["depth-4", "depth-2", "mini-30m"]
+    assert r["pick_beats_all"] and r["prediction_error"] == round(3.8 / 3.7 - 1, 4) and r["prediction_within_goal"]
+    calls.clear()
+    assert b.main(["--budgets", "1m", "--presets", "mini-30m", "--runs_dir", str(tmp_path)]) == 0
+    assert calls == []  # every run finished before: read, not trained again
+
+
+@pytest.mark.parametrize("losses,expected", [
+    ({"depth-2": 3.79, "depth-3": 3.8, "depth-4": 3.95}, 3.8),  # a neighbour does better
+    ({"depth-2": 3.9, "depth-3": 3.8, "depth-4": 3.95}, 3.68),  # 3.3% off the expected loss
+])
+def test_bench_auto_fails_a_goal_it_misses(tmp_path, monkeypatch, losses, expected):
+    b = bench_module("bench_auto")
+    monkeypatch.setattr(b.subprocess, "run", fake_training(tmp_path, losses, expected, []))
+    assert b.main(["--budgets", "1m", "--runs_dir", str(tmp_path)]) == 1
+    assert b.neighbours("depth-1") == ["depth-2"] and b.neighbours("depth-48") == ["depth-47"]
+    assert b.neighbours("mini-30m") == []
