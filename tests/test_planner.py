@@ -53,7 +53,8 @@ def test_the_table_of_tiny_presets_is_consistent(small_corpus):
             r.budget_tokens / n_data)
         assert r.expected_loss == SHIPPED.loss(r.non_embedding, r.trained_tokens)
     assert tiny.epochs > 4 and tiny.trained_tokens == pytest.approx(4 * n_data)  # 4 of its many epochs count
-    assert best is min(rows, key=lambda r: r.expected_loss)
+    # 4 epochs of ~16K tokens are under 0.05 tokens per parameter for mini-30m (11.9M): tiny, whatever it expects
+    assert best is tiny and mini.trained_tokens / mini.parameters < planner.MIN_TOKENS_PER_PARAMETER
     assert "(estimated from the first" in header and "cpu" in header
     text = planner.table(rows, best)
     assert "(est.)" in text.splitlines()[3] and "⭐" in text
@@ -110,9 +111,11 @@ def test_the_shipped_loss_model_is_the_recorded_fit():
 
 
 def test_the_pick_is_the_lowest_expected_loss_that_fits():
-    assert planner.recommend([row("a", 10e6, 4.0), row("b", 25e6, 3.5), row("c", 100e6, 3.9)]).name == "b"
-    assert planner.recommend([row("a", 10e6, 4.0), row("b", 40e6, 4.0)]).name == "a"  # the first of equals
-    assert planner.recommend([row("a", 10e6, fits=False), row("b", 40e6, 9.0)]).name == "b"
+    many = 1e9  # tokens: every row reads enough of them for its size
+    assert planner.recommend([row("a", 10e6, 4.0, trained=many), row("b", 25e6, 3.5, trained=many),
+                              row("c", 100e6, 3.9, trained=many)]).name == "b"
+    assert planner.recommend([row("a", 10e6, 4.0, trained=many), row("b", 40e6, 4.0, trained=many)]).name == "a"
+    assert planner.recommend([row("a", 10e6, fits=False), row("b", 40e6, 9.0, trained=many)]).name == "b"
     assert planner.recommend([row("a", 10e6, fits=False)]) is None
     rng = random.Random(0)  # and for any rows, the minimum of those that fit
     for _ in range(200):
@@ -120,6 +123,25 @@ def test_the_pick_is_the_lowest_expected_loss_that_fits():
         fitting = [r.expected_loss for r in rows if r.fits]
         best = planner.recommend(rows)
         assert (best is None) == (not fitting) and (best is None or best.expected_loss == min(fitting))
+
+
+def test_a_model_that_reads_too_few_tokens_per_parameter_is_not_picked():
+    fits_data = json.loads((ROOT / FIT_RESULTS).read_text())
+    fewest = min(r["tokens"] / r["parameters_total"] for r in fits_data["runs"] + fits_data["held_out"])
+    assert planner.MIN_TOKENS_PER_PARAMETER <= fewest < planner.MIN_TOKENS_PER_PARAMETER + 0.01  # the fit's, rounded
+    small, big = row("small", 1e6, 3.5, trained=1e6), row("big", 1e8, 3.0, trained=5e6)  # big reads 0.05 a parameter
+    assert planner.recommend([small, big]) is big  # at the bound: seen
+    big.trained_tokens = 4.99e6
+    assert planner.recommend([small, big]) is small
+    assert planner.why(small, [small, big]) == (
+        "small: the lowest expected validation loss, 3.50, after 1.0M tokens (1 per parameter); big expects 3.00 after "
+        "5.0M; big would expect less, but read fewer than 0.05 tokens per parameter, fewer than any run the loss "
+        "model was fitted on")
+    big2 = row("big2", 2e8, 2.9, trained=5e6)
+    assert "; big, big2 would expect less, but read fewer" in planner.why(small, [small, big, big2])
+    huge = row("huge", 1e9, 2.0, trained=1e6)  # every one reads too few: the one that reads the most
+    bigger = row("bigger", 1e9, 2.5, trained=2e6)
+    assert planner.recommend([huge, bigger, row("none", 1e6, fits=False)]) is bigger
 
 
 def test_a_cpu_plan_checks_memory_at_the_batch_its_command_trains(monkeypatch):
@@ -413,7 +435,7 @@ def test_a_cpu_plan_by_hand(monkeypatch):
 
 
 def test_a_gpu_plan_by_hand(monkeypatch):
-    configs = {"p": FakeConfig(4096, 1000, 999, 2, 1024, 10), "q": FakeConfig(4e6, 1e6, 999, 27, 2048, 20),
+    configs = {"p": FakeConfig(4096, 1000, 999, 2, 1024, 10), "q": FakeConfig(100_000, 50_000, 999, 27, 2048, 20),
                "r": FakeConfig(9e6, 1e7, 999, 8, 0, 1000)}
     steps = {"p": planner.StepTime(0.5, 0.0, 777)}
     calls = stub_plan(monkeypatch, configs, steps, "cuda", torch.bfloat16, n_data=525_000)
@@ -427,23 +449,23 @@ def test_a_gpu_plan_by_hand(monkeypatch):
     #    tokens, 0.079 epochs: 1 + 1 + 3,072 / 82,944
     # r: 1 x 1000 do not fit
     # q: 16 x 20 = 320 fit. Predicted 27 x 512 / 2,048 + 2,048 / 1.024e12 = 6.75 s and a little: 512 / 6.75
-    #    tokens/s, 6,144 tokens (bar a little), 1 + 0.001 + 0.5 = 1.501: the pick. Timing it would take 3 x 6.75 =
-    #    20.25 s, just over 20: it stays estimated, its memory too: 320 bytes.
+    #    tokens/s, 6,144 tokens (bar a little, 0.061 a parameter), 1 + 0.02 + 0.5 = 1.52: the pick. Timing it would
+    #    take 3 x 6.75 = 20.25 s, just over 20: it stays estimated, its memory too: 320 bytes.
     q_speed = 512 / (6.75 + 2e-9)
     q_tokens = q_speed * 81
     assert_rows(rows, [
         ("p", 4096, 1000, 16, 32, 1024.0, True, 777, True, True, 82_944.0, 82_944.0, 82_944 / 1.05e6,
          2 + 3072 / 82_944),
         ("r", 9e6, 1e7, 1, 32, None, False, 1000, False, False, 0.0, 0.0, None, None),
-        ("q", 4e6, 1e6, 16, 32, q_speed, False, 320, False, True, q_tokens, q_tokens, q_tokens / 1.05e6,
-         1.001 + 3072 / q_tokens)])
+        ("q", 100_000, 50_000, 16, 32, q_speed, False, 320, False, True, q_tokens, q_tokens, q_tokens / 1.05e6,
+         1.02 + 3072 / q_tokens)])
     assert best is rows[2]
     assert calls["timed"] == [("p", torch.device("cuda"), torch.bfloat16, 16, 32, 2.0)]
     assert calls["data"] == [(Path("data.jsonl"), Path("tok")), (Path("more.jsonl"), Path("tok"))]  # no weights
     assert {seq for _, seq in calls["flops"]} == {32} and calls["device"] == ["cuda"] and calls["dtype"] == ["float16"]
     assert header == ("time budget 1m 30s on cuda (bfloat16: the reason); 90% of it in training steps; data.jsonl, "
                       "more.jsonl: about 1.1M tokens (estimated from the first 2 MB of each file)")
-    assert reason == ("q: the lowest expected validation loss, 1.50, after 6.1K tokens (0.00154 per parameter); p "
+    assert reason == ("q: the lowest expected validation loss, 1.52, after 6.1K tokens (0.0614 per parameter); p "
                       "expects 2.04 after 82.9K; larger ones do not fit in memory")
 
 

@@ -53,6 +53,10 @@ TRAINING_SHARE = 0.9  # of a budget spent in training steps: setting up, evaluat
 OPTIMIZER = "muon"  # pretraining's default (--optimizer auto without DeepSpeed)
 MEMORY_SHARE = 0.85  # of the device's memory a plan may fill (the allocator, the CUDA context, fragmentation)
 BATCHES = tuple(b for b in (16, 8, 4, 2, 1) if b <= RECIPE["batch_size"])  # the recipe's, else the largest that fits
+# The fewest tokens per parameter of the loss model's runs (depth 5 for 120 steps: 0.059), rounded down: a model
+# that would read fewer in the budget lies where the model's size term promises what no run showed (a large model
+# on a few epochs of a small corpus), so it is not picked
+MIN_TOKENS_PER_PARAMETER = 0.05
 AUTO_MIN_SECONDS = 1.0  # of timed steps per candidate when a run plans itself (its budget pays for them)
 MAX_ROUNDS = 12  # of timing the best expected candidate and its neighbours (each round times at most three)
 SAMPLE_BYTES = 2 << 20  # of --data_path read to estimate its tokens
@@ -309,8 +313,13 @@ def buy(row: PresetRow, budget_s: float, n_data: int | None, loss_model: LossMod
 
 
 def recommend(rows: list[PresetRow]) -> PresetRow | None:
-    """The candidate that fits and expects the lowest final loss (the first of equals); None when none fits."""
-    return min((r for r in rows if r.fits), key=lambda r: r.expected_loss, default=None)
+    """The candidate that fits and expects the lowest final loss (the first of equals) among those that read at
+    least MIN_TOKENS_PER_PARAMETER in the budget (when none does, the one that reads the most); None when none
+    fits."""
+    fitting = [r for r in rows if r.fits]
+    seen = [r for r in fitting if r.tokens_per_parameter >= MIN_TOKENS_PER_PARAMETER]
+    return min(seen or sorted(fitting, key=lambda r: -r.tokens_per_parameter)[:1], key=lambda r: r.expected_loss,
+               default=None)
 
 
 def tokens(x: float) -> str:
@@ -332,6 +341,10 @@ def why(best: PresetRow | None, rows: list[PresetRow]) -> str:
                                  for r in (*smaller, *larger))
     if not larger and any(not r.fits and r.non_embedding > best.non_embedding for r in rows):
         text += "; larger ones do not fit in memory"
+    unseen = [r.name for r in rows if r.fits and r.expected_loss < best.expected_loss]
+    if unseen:
+        text += (f"; {', '.join(unseen)} would expect less, but read fewer than {MIN_TOKENS_PER_PARAMETER:g} tokens "
+                 "per parameter, fewer than any run the loss model was fitted on")
     if best.trained_tokens < best.budget_tokens:
         text += (f"; the data is the limit: the budget would read it {best.epochs:.3g} times, and past "
                  f"{MAX_EPOCHS} epochs repeating adds little")
