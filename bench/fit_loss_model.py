@@ -103,25 +103,28 @@ def predict(runs: list[dict], model: LossModel) -> None:
         r["relative_error"] = round(model.loss(r["parameters"], r["tokens"]) / r["val_loss"] - 1, 4)
 
 
-def progress(runs: list[dict], model: LossModel, model_error: float) -> dict | None:
-    """The progress table (trainer_utils/loss_model.py Progress) of the runs whose curves have a point at every
-    share: at each, the median run's validation loss over the model's L(N, tokens so far), and the largest
-    relative distance of a run from it plus the model's own worst error on its fit (`model_error`: a run of
-    another size may be that far from it at its end). None with fewer than two such runs."""
+def progress(runs: list[dict], model: LossModel, model_error: float, min_tokens: int) -> dict | None:
+    """The progress table (trainer_utils/loss_model.py Progress) of the runs' curves: at each share of a run's steps,
+    the median run's validation loss over the model's L(N, tokens so far), read only where the tokens so far are at
+    least `min_tokens` (the fewest any fitted run trained on: below that the model extrapolates, and a curve's early
+    points say more about that than about the run), and the largest relative distance of a run from it plus the
+    model's own worst error on its fit (`model_error`: a run of another size may be that far from it at its end).
+    Shares with fewer than two such points are left out; None when none has two."""
     tokens_per_step = RECIPE["batch_size"] * FIT_CONTEXT
     ratios: dict[float, list[float]] = {f: [] for f in SHARES}
     for r in runs:
         points = {step: loss for step, loss in r.get("curve", [])}
-        steps = [round(f * r["steps"]) for f in SHARES]
-        if all(s in points for s in steps):
-            for f, s in zip(SHARES, steps):
-                ratios[f].append(points[s] / model.loss(r["parameters"], s * tokens_per_step))
-    counts = {len(v) for v in ratios.values()}
-    if counts != {len(ratios[SHARES[0]])} or len(ratios[SHARES[0]]) < 2:
+        for f in SHARES:
+            step = round(f * r["steps"])
+            if step in points and step * tokens_per_step >= min_tokens:
+                ratios[f].append(points[step] / model.loss(r["parameters"], step * tokens_per_step))
+    kept = {f: v for f, v in ratios.items() if len(v) >= 2}
+    if not kept:
         return None
-    median = [statistics.median(v) for v in ratios.values()]
-    spread = [max(abs(q / m - 1) for q in v) for v, m in zip(ratios.values(), median)]
-    return {"runs": len(ratios[SHARES[0]]), "shares": list(SHARES), "ratios": [round(m, 4) for m in median],
+    median = [statistics.median(v) for v in kept.values()]
+    spread = [max(abs(q / m - 1) for q in v) for v, m in zip(kept.values(), median)]
+    return {"runs": len(runs), "min_tokens": min_tokens, "shares": list(kept),
+            "points": [len(v) for v in kept.values()], "ratios": [round(m, 4) for m in median],
             "tolerances": [round(x + model_error, 3) for x in spread]}
 
 
@@ -144,9 +147,10 @@ def main() -> None:
     if args.model:
         recorded = json.loads(args.model.read_text())
         model, model_error = LossModel.from_dict(recorded["model"]), recorded["worst_relative_error"]
+        min_tokens = min(r["tokens"] for r in recorded["runs"])
     else:
         result = fit([(r["parameters"], r["tokens"], r["val_loss"]) for r in runs])
-        model, model_error = result.model, result.worst
+        model, model_error, min_tokens = result.model, result.worst, min(r["tokens"] for r in runs)
     predict(runs, model)
     held = [run_point(depth, steps, args) for depth, steps in holdout]
     predict(held, model)
@@ -158,7 +162,8 @@ def main() -> None:
               "family": f"{DEPTH_PREFIX}N", "recipe": RECIPE, "parameters": "non-embedding",
               **({"model_from": str(args.model)} if args.model else {}),
               "model": {k: round(v, 6) for k, v in model.to_dict().items()},
-              "worst_relative_error": round(worst, 4), "progress": progress(runs, model, model_error), "runs": runs,
+              "worst_relative_error": round(worst, 4), "progress": progress(runs, model, model_error, min_tokens),
+              "runs": runs,
               "held_out": held}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"L(N, D) = {model.E:.3f} + {model.A:.4g} / N^{model.alpha:.3f} + {model.B:.4g} / D^{model.beta:.3f}; "

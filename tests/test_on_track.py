@@ -3,6 +3,7 @@ progress table, by hand), when the loss model applies and when it does not, the 
 trouble, and not again after a resume), and a real run that reports its expected loss."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from trainer_utils.loss_model import FIT_RESULTS, PROGRESS, LossModel, Progress
 
 from conftest import ROOT, strict_records
 
-TABLE = Progress(shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.02))
+TABLE = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.02))
 FLAT = LossModel(E=2.0, A=0.0, alpha=1.0, B=1000.0, beta=1.0)  # 2 + 1000 / tokens, whatever the size
 # 2 + 3e6 / N + 100,000 / tokens: the stand-in model's 3M non-embedding parameters make the middle term 1
 FALLING = LossModel(E=2.0, A=3e6, alpha=1.0, B=1e5, beta=1.0)
@@ -37,8 +38,14 @@ def test_the_expected_loss_by_hand(tokens, end, expected):
     assert got == (None if expected is None else pytest.approx(expected, rel=1e-12))
 
 
+def test_nothing_is_expected_before_the_fit_s_fewest_tokens():
+    table = Progress(min_tokens=600, shares=(0.1, 1.0), ratios=(1.0, 1.0), tolerances=(0.05, 0.05))
+    assert table.expected(FLAT, 1e6, 599, 1000) is None  # 60% of the run, but fewer tokens than any fitted run
+    assert table.expected(FLAT, 1e6, 600, 1000) == (2.0 + 1000 / 600, 0.05)
+
+
 def test_a_table_of_one_share_expects_its_ratio_from_there_on():
-    single = Progress(shares=(0.5,), ratios=(1.25,), tolerances=(0.05,))
+    single = Progress(min_tokens=0, shares=(0.5,), ratios=(1.25,), tolerances=(0.05,))
     assert single.expected(FLAT, 1e6, 400, 1000) is None
     assert single.expected(FLAT, 1e6, 500, 1000) == (1.25 * 4.0, 0.05)
     assert single.expected(FLAT, 1e6, 1000, 1000) == (1.25 * 3.0, 0.05)
@@ -47,8 +54,11 @@ def test_a_table_of_one_share_expects_its_ratio_from_there_on():
 def test_the_shipped_progress_table_is_the_recorded_one():
     recorded = json.loads((ROOT / FIT_RESULTS.replace("loss-model-demo", "loss-model-progress-demo")).read_text())
     table = recorded["progress"]
-    assert Progress(tuple(table["shares"]), tuple(table["ratios"]), tuple(table["tolerances"])) == PROGRESS
-    assert recorded["model"] == json.loads((ROOT / FIT_RESULTS).read_text())["model"]  # against the shipped model
+    assert Progress(table["min_tokens"], tuple(table["shares"]), tuple(table["ratios"]),
+                    tuple(table["tolerances"])) == PROGRESS
+    fit = json.loads((ROOT / FIT_RESULTS).read_text())
+    assert recorded["model"] == fit["model"]  # against the shipped model
+    assert PROGRESS.min_tokens == min(r["tokens"] for r in fit["runs"])
     assert all(t >= 0.02 for t in PROGRESS.tolerances) and PROGRESS.shares[-1] == 1.0
 
 
@@ -119,7 +129,7 @@ def at(ctx, component, step, train=None, val=None):
 
 
 def test_an_evaluation_beside_its_expectation_and_each_trouble_flagged_once(monkeypatch):
-    table = Progress(shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.0123))
+    table = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.0123))
     monkeypatch.setattr(on_track, "PROGRESS", table)
     monkeypatch.setattr(on_track, "SHIPPED", FALLING)
     ctx = fake_ctx()
@@ -174,7 +184,7 @@ def test_an_evaluation_beside_its_expectation_and_each_trouble_flagged_once(monk
 
 def test_the_bounds_are_not_yet_trouble_and_the_last_step_is_compared(monkeypatch):
     # exactly 2.0 expected everywhere (1.75 + 0.25 / N^0 + 0 / D), with 25% of tolerance
-    monkeypatch.setattr(on_track, "PROGRESS", Progress((0.1, 1.0), (1.0, 1.0), (0.25, 0.25)))
+    monkeypatch.setattr(on_track, "PROGRESS", Progress(0, (0.1, 1.0), (1.0, 1.0), (0.25, 0.25)))
     monkeypatch.setattr(on_track, "SHIPPED", LossModel(E=1.75, A=0.25, alpha=0.0, B=0.0, beta=1.0))
     ctx = fake_ctx(control=SimpleNamespace(total_steps=23))
     component = OnTrack(ctx)
@@ -219,6 +229,7 @@ def test_a_run_without_a_validation_split_expects_nothing(monkeypatch):
 def test_a_pretraining_run_on_the_loss_model_s_corpus_reports_its_expectation(corpus, tmp_path, capsys,
                                                                               monkeypatch):
     monkeypatch.setattr(on_track, "FIT_DATA", str(corpus["pretrain"]))  # the small corpus stands in for the demo's
+    monkeypatch.setattr(on_track, "PROGRESS", dataclasses.replace(PROGRESS, min_tokens=0))  # and its 8K tokens count
     assert train_pretrain.main(flags(corpus, tmp_path, max_seq_len=256, max_steps=8)) == 0
     err = capsys.readouterr().err
     records = strict_records(tmp_path / "run")
