@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.portable import portable  # noqa: E402
-from common.device import choose_dtype, cpu_description, dtype_name, parse_device  # noqa: E402
+from common.device import training_machine  # noqa: E402
 from trainer_utils.budget import parse_duration  # noqa: E402
 
 GOAL = (0.90, 1.05)
@@ -58,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for b in args.budgets:
         parse_duration(b)  # every budget is valid before the first run
-    device = parse_device("auto")
-    machine = {"device": str(device), "cpu": cpu_description(),
-               "dtype": dtype_name(choose_dtype("auto", device, "train").dtype)}
+    machine = training_machine()
     records = []
     for budget in args.budgets:
         r = run_budget(budget, args.recipe, args.runs_dir, args.extra)

@@ -156,6 +156,14 @@ def cpu_description() -> str:
     return f"{cpu_model()} ({', '.join(native) if native else 'no bf16 flags'}{', avx2' if 'avx2' in flags else ''})"
 
 
+def training_machine() -> dict[str, str]:
+    """Where a training benchmark ran, as its results record it: the device --device auto picks, the CPU (model and
+    kind) and the dtype the precision policy trains in there."""
+    device = parse_device("auto")
+    return {"device": str(device), "cpu": cpu_description(), "dtype": dtype_name(choose_dtype("auto", device,
+                                                                                              "train").dtype)}
+
+
 def bf16_speedup(n: int = 256, reps: int = 3) -> float:
     """fp32 matmul time / bf16 matmul time on the CPU (best of `reps`): ~2-20 where bf16 is native, ~0.01 where
     it is emulated. A 256x256 product takes well under a millisecond natively, ~40 ms emulated."""
