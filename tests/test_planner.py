@@ -82,6 +82,12 @@ def test_bad_data_names_its_line(tmp_path):
         data_tokens(tmp_path / "missing.jsonl")
 
 
+@pytest.fixture
+def any_size(monkeypatch):
+    """The reasons without the note on sizes outside the loss model's fit (tested on its own)."""
+    monkeypatch.setattr(planner, "FIT_SIZES", (0, math.inf))
+
+
 def row(name, params, loss=None, fits=True, tps=1e3, trained=1e6, non_embedding=None):
     """A candidate's row, its expected loss and tokens set by hand."""
     r = PresetRow(name, params, non_embedding or params, 16, 256, tps, True, 0, False, fits)
@@ -108,6 +114,8 @@ def test_the_shipped_loss_model_is_the_recorded_fit():
     recorded = json.loads((ROOT / FIT_RESULTS).read_text())
     assert LossModel.from_dict(recorded["model"]) == SHIPPED
     assert recorded["recipe"] == planner.RECIPE and recorded["parameters"] == "non-embedding"
+    sizes = [r["parameters"] for r in recorded["runs"] + recorded["held_out"]]
+    assert planner.FIT_SIZES == (min(sizes), max(sizes))
 
 
 def test_the_pick_is_the_lowest_expected_loss_that_fits():
@@ -125,7 +133,7 @@ def test_the_pick_is_the_lowest_expected_loss_that_fits():
         assert (best is None) == (not fitting) and (best is None or best.expected_loss == min(fitting))
 
 
-def test_a_model_that_reads_too_few_tokens_per_parameter_is_not_picked():
+def test_a_model_that_reads_too_few_tokens_per_parameter_is_not_picked(any_size):
     fits_data = json.loads((ROOT / FIT_RESULTS).read_text())
     fewest = min(r["tokens"] / r["parameters_total"] for r in fits_data["runs"] + fits_data["held_out"])
     assert planner.MIN_TOKENS_PER_PARAMETER <= fewest < planner.MIN_TOKENS_PER_PARAMETER + 0.01  # the fit's, rounded
@@ -159,7 +167,7 @@ def test_a_preset_that_does_not_fit_is_shown_and_never_recommended(monkeypatch):
                                               min_seconds=0.05)
     assert [r.fits for r in rows] == [True, False] and best.name == "tiny"
     assert header.endswith("; 90% of it in training steps")  # no data given: nothing said of it
-    assert reason.endswith("; larger ones do not fit in memory")
+    assert "; larger ones do not fit in memory" in reason
     assert "does not fit" in planner.table(rows, best)
 
 
@@ -285,12 +293,23 @@ REASON = "b: the lowest expected validation loss, 3.50, after 2.0M tokens (0.1 p
     ([row("twin", 20e6, 3.9), row("c", 40e6, 4.0)], "; c expects 4.00 after 1.0M"),  # as large: no neighbour
     ([row("twin", 20e6, fits=False)], ""),  # as large, not fitting: no larger one
 ])
-def test_the_reason_whole(others, suffix):
+def test_the_reason_whole(others, suffix, any_size):
     best = row("b", 20e6, 3.5, trained=2e6)
     assert planner.why(best, [best, *others]) == REASON + suffix
 
 
-def test_the_reason_whole_when_the_data_is_the_limit():
+def test_the_reason_says_when_the_pick_is_outside_the_fitted_sizes():
+    for size in (426_880, 9_442_944):  # the smallest and the largest fitted run's size, exactly
+        inside = row("inside", size, 3.5)
+        assert "outside" not in planner.why(inside, [inside])
+    for size, written in ((426_879, "426,879"), (9_442_945, "9,442,945")):
+        outside = row("out", size, 3.5)
+        assert planner.why(outside, [outside]).endswith(
+            f"; at {written} non-embedding parameters it is outside the sizes the loss model was fitted on "
+            "(426,880-9,442,944): its expected loss is extrapolated")
+
+
+def test_the_reason_whole_when_the_data_is_the_limit(any_size):
     best = row("b", 20e6, 3.5, trained=2e6)  # 2M of the 60M tokens the budget buys count: 4 epochs of 0.5M
     best.budget_tokens, best.epochs = 60e6, 120.0
     assert planner.why(best, [best]) == REASON + (
@@ -393,7 +412,7 @@ def assert_rows(rows, expected):
             assert got == (pytest.approx(want, rel=1e-12) if isinstance(want, float) else want), (r.name, field.name)
 
 
-def test_a_cpu_plan_by_hand(monkeypatch):
+def test_a_cpu_plan_by_hand(monkeypatch, any_size):
     configs = {  # plan takes them by FLOPs per token: a 16, b 32, c 80, d 128, e 256
         "e": FakeConfig(20_000, 10_000, 64, 256, 0, 10), "d": FakeConfig(9_000, 5_000, 64, 128, 0, 1000),
         "c": FakeConfig(3_000, 1_000, 64, 80, 0, 106.25), "b": FakeConfig(2_000, 400, 64, 32, 512, 50),
@@ -434,7 +453,7 @@ def test_a_cpu_plan_by_hand(monkeypatch):
                       "expects 11.50 after 0.9M, c expects 11.50 after 92.2K")
 
 
-def test_a_gpu_plan_by_hand(monkeypatch):
+def test_a_gpu_plan_by_hand(monkeypatch, any_size):
     configs = {"p": FakeConfig(4096, 1000, 999, 2, 1024, 10), "q": FakeConfig(100_000, 50_000, 999, 27, 2048, 20),
                "r": FakeConfig(9e6, 1e7, 999, 8, 0, 1000)}
     steps = {"p": planner.StepTime(0.5, 0.0, 777)}

@@ -28,6 +28,7 @@ RECIPE = {"learning_rate": 4e-3, "warmup_steps": 20, "batch_size": 16}
 FIT_DATA = "dataset/demo/pretrain_demo.jsonl"
 FIT_CONTEXT = 256  # tokens a sequence: the depth family's context
 FIT_RESULTS = "bench/results/loss-model-demo.json"  # the fit: its runs, constants and residuals
+FIT_SIZES = (426_880, 9_442_944)  # the fewest and most non-embedding parameters of its runs (depths 2 and 6)
 # The starting grid: exponents from flat to steep, log-constants over the range small models give.
 GRID = {"log_a": (0.0, 5.0, 10.0, 15.0, 20.0), "alpha": (0.1, 0.3, 0.5, 0.8, 1.2),
         "log_b": (0.0, 5.0, 10.0, 15.0, 20.0), "beta": (0.1, 0.3, 0.5, 0.8, 1.2),

@@ -40,7 +40,7 @@ from .budget import format_duration
 from .checkpoint import latest_checkpoint
 from .config import AUTO_PRESET, OptimConfig, TrainConfig
 from .distributed import detect_env
-from .loss_model import FIT_DATA, FIT_RESULTS, RECIPE, SHIPPED, LossModel
+from .loss_model import FIT_DATA, FIT_RESULTS, FIT_SIZES, RECIPE, SHIPPED, LossModel
 from .metrics import flops_per_token
 from .objectives import LanguageModeling
 from .optim import is_hidden_matrix, optimizer_for
@@ -345,6 +345,9 @@ def why(best: PresetRow | None, rows: list[PresetRow]) -> str:
     if unseen:
         text += (f"; {', '.join(unseen)} would expect less, but read fewer than {MIN_TOKENS_PER_PARAMETER:g} tokens "
                  "per parameter, fewer than any run the loss model was fitted on")
+    if not FIT_SIZES[0] <= best.non_embedding <= FIT_SIZES[1]:
+        text += (f"; at {best.non_embedding:,.0f} non-embedding parameters it is outside the sizes the loss model "
+                 f"was fitted on ({FIT_SIZES[0]:,}-{FIT_SIZES[1]:,}): its expected loss is extrapolated")
     if best.trained_tokens < best.budget_tokens:
         text += (f"; the data is the limit: the budget would read it {best.epochs:.3g} times, and past "
                  f"{MAX_EPOCHS} epochs repeating adds little")
