@@ -622,3 +622,21 @@ def test_hangs_are_paid_one_replan_each_and_never_stop_the_run():
     re-plans of a run whose step time averages the hangs in), and the run still ends within its budget."""
     ends, spent = simulate(lambda step: 20.0 if step % 100 == 50 else 1.0)
     assert len(ends) <= 5 and ends == sorted(ends, reverse=True) and 0.94 <= spent <= 1.0
+
+
+def test_every_rank_plans_from_the_slowest_rank_s_time_spent(corpus, tmp_path, monkeypatch):
+    """The plan's time spent is the slowest rank's, as its costs are: ranks that started a few milliseconds apart
+    must not plan a step apart (one would wait at the end for the other). Here every rank's numbers come back 7 s
+    later from the all-reduce, as if another rank were that much slower."""
+    seen = []
+    real_make_plan = driver_mod.make_plan
+
+    def spy(budget_s, spent_s, *rest):
+        seen.append(spent_s)
+        return real_make_plan(budget_s, spent_s, *rest)
+
+    monkeypatch.setattr(driver_mod, "process_age", lambda: 0.0)
+    monkeypatch.setattr(driver_mod, "make_plan", spy)
+    monkeypatch.setattr(Backend, "slowest", lambda self, seconds: [s + 7.0 for s in seconds])
+    assert train_pretrain.main(budget_flags(corpus, tmp_path, "run", time_budget="1h", max_steps=4)) == 0
+    assert len(seen) == 1 and seen[0] >= 7.0  # this process alone had spent far less

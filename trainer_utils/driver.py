@@ -127,7 +127,10 @@ def plan_budget(session: Session, clock: BudgetClock) -> BudgetPlan | None:
         if is_main:
             shutil.rmtree(scratch.run_dir, ignore_errors=True)
     c = session.config
-    plan = make_plan(budget_s, clock.spent(), costs, limit, c.eval.eval_interval,
+    # every rank plans from the same numbers: the slowest rank's costs and time spent (ranks that started a few
+    # milliseconds apart could otherwise plan a step apart, and one would wait for the other at the end)
+    spent = session.backend.slowest([clock.spent()])[0]
+    plan = make_plan(budget_s, spent, costs, limit, c.eval.eval_interval,
                      c.run.save_interval if c.run.checkpoints else None)
     if is_main:
         print(plan.summary(), file=sys.stderr)
