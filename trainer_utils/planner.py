@@ -317,9 +317,10 @@ def recommend(rows: list[PresetRow]) -> PresetRow | None:
     least MIN_TOKENS_PER_PARAMETER in the budget (when none does, the one that reads the most); None when none
     fits."""
     fitting = [r for r in rows if r.fits]
+    if not fitting:
+        return None
     seen = [r for r in fitting if r.tokens_per_parameter >= MIN_TOKENS_PER_PARAMETER]
-    return min(seen or sorted(fitting, key=lambda r: -r.tokens_per_parameter)[:1], key=lambda r: r.expected_loss,
-               default=None)
+    return min(seen or [max(fitting, key=lambda r: r.tokens_per_parameter)], key=lambda r: r.expected_loss)
 
 
 def tokens(x: float) -> str:
