@@ -84,7 +84,8 @@ def fake_ctx(tmp_path=None, **over):
     ctx = SimpleNamespace(config=config, chat=False, objective=SimpleNamespace(unit="tokens"), init_dir=None,
                           adapters=False, max_seq_len=256, model=SimpleNamespace(config=SimpleNamespace(
                               num_parameters=lambda non_embedding: 3e6 if non_embedding else 5e6)),
-                          control=SimpleNamespace(total_steps=100), state=SimpleNamespace(step=0, tokens_seen=0),
+                          control=SimpleNamespace(total_steps=100, sync_counters=lambda: None),
+                          state=SimpleNamespace(step=0, tokens_seen=0),
                           measured={}, logger=Logger())
     for k, v in over.items():
         setattr(ctx, k, v)
@@ -186,7 +187,7 @@ def test_the_bounds_are_not_yet_trouble_and_the_last_step_is_compared(monkeypatc
     # exactly 2.0 expected everywhere (1.75 + 0.25 / N^0 + 0 / D), with 25% of tolerance
     monkeypatch.setattr(on_track, "PROGRESS", Progress(0, (0.1, 1.0), (1.0, 1.0), (0.25, 0.25)))
     monkeypatch.setattr(on_track, "SHIPPED", LossModel(E=1.75, A=0.25, alpha=0.0, B=0.0, beta=1.0))
-    ctx = fake_ctx(control=SimpleNamespace(total_steps=23))
+    ctx = fake_ctx(control=SimpleNamespace(total_steps=23, sync_counters=lambda: None))
     component = OnTrack(ctx)
     ctx.state.step, ctx.state.tokens_seen, ctx.measured = 10, 40960, {"val_loss": 2.5}
     component.run(ctx)  # 25% above 2.0: at the bound, on track
@@ -216,6 +217,20 @@ def test_a_missing_file_is_no_file_of_the_loss_model(tmp_path):
     ctx = fake_ctx()
     ctx.config.data.data_path = [str(tmp_path / "missing.jsonl")]
     assert not_applicable(ctx) == "the loss model was fitted on dataset/demo/pretrain_demo.jsonl alone"
+
+
+def test_the_tokens_are_read_as_of_the_evaluation_step(monkeypatch):
+    """The device-side token counter is synced first: the log syncs it only every --log_interval, which need not
+    divide --eval_interval (here the state still holds step 45's count at step 50's evaluation)."""
+    monkeypatch.setattr(on_track, "PROGRESS", Progress(0, (0.1, 1.0), (1.0, 1.0), (0.05, 0.05)))
+    monkeypatch.setattr(on_track, "SHIPPED", FALLING)
+    ctx = fake_ctx()
+    ctx.control.sync_counters = lambda: setattr(ctx.state, "tokens_seen", 4096 * ctx.state.step)
+    component = OnTrack(ctx)
+    ctx.state.step, ctx.state.tokens_seen, ctx.measured = 50, 4096 * 45, {"val_loss": 3.0}
+    component.run(ctx)
+    assert ctx.logger.records == [{"step": 50, "expected_val_loss": round(3 + 1e5 / (4096 * 50), 5),
+                                   "expected_tolerance": 0.05}]
 
 
 def test_a_run_without_a_validation_split_expects_nothing(monkeypatch):

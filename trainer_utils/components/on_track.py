@@ -110,6 +110,7 @@ class OnTrack(Component):
             return
         if best is None or val_loss < best:
             self.memory["best_val"] = val_loss
+        ctx.control.sync_counters()  # the tokens as of this step: the log syncs them only at its own interval
         tokens_end = ctx.state.tokens_seen / step * last
         expected = PROGRESS.expected(SHIPPED, self.n, ctx.state.tokens_seen, tokens_end)
         if expected is None:  # too early in the run to expect anything
