@@ -127,7 +127,7 @@ def test_the_plan_is_recorded_whole():
         "budget_s": 100.0, "steps": 32, "limit": 1000, "step_s": 2.0, "first_extra_s": 1.0, "eval_s": 3.0,
         "save_s": 1.5, "eval_interval": 10, "save_interval": 15, "setup_s": 10.2,
         "check_every": 1,  # 1% of 100 s is half a step: every step
-        "timed_steps": 4, "start_s": 4.0, "replans": [], "used_s": 0.0}
+        "timed_steps": 4, "start_s": 4.0, "replans": [], "used_s": 0.0, "planned_at": 0}
     assert plan.summary() == ("time budget 1m 40s: 32 steps at 2 s (measured over 4 steps after a warm-up), "
                               "4 evaluations at 3 s, 3 checkpoints at 1.5 s, 14.2s set-up: ends at about 1m 36s")
     # (it ends at 10.2 + 4 + 1 + 80.5 = 95.7 s)

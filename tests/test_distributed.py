@@ -277,27 +277,34 @@ def test_deepspeed_skips_a_step_without_targets(corpus, tmp_path, dtype):
     assert record["loss"] is None and record["skipped_steps"] == 1
 
 
-def test_a_time_budget_is_one_plan_for_every_rank(corpus, tmp_path):
-    """The probe and the guard decide from all-reduced numbers: two ranks plan the same steps (here --max_steps
-    bounds them, so the run is deterministic) and train what one process trains with --max_steps."""
-    single(args(corpus, tmp_path, "single", batch_size=8, max_steps=12))
-    res = torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, max_steps=12, time_budget="25s"))
+@pytest.mark.parametrize("where,schedule", [
+    ("throwaway", dict(warmup_steps=2, eval_interval=3, save_interval=3)),  # a warm-up too short to plan on
+    ("first steps", dict(warmup_steps=10, eval_interval=6, save_interval=6)),  # planned on steps 1-5 at most
+])
+def test_a_time_budget_is_one_plan_for_every_rank(corpus, tmp_path, where, schedule):
+    """The probe (a throwaway Trainer, or the run's own first steps) and the guard decide from all-reduced numbers:
+    two ranks plan the same steps (here --max_steps bounds them, so the run is deterministic) and train what one
+    process trains with --max_steps."""
+    single(args(corpus, tmp_path, "single", batch_size=8, max_steps=12, **schedule))
+    res = torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, max_steps=12, time_budget="25s", **schedule))
     assert res.stderr.count("time budget 25.0s: 12 steps at") == 1, res.stderr[-2000:]  # said once, by rank 0
     plan = json.loads((tmp_path / "ddp" / "train_config.json").read_text())["resolved"]["time_budget"]
     assert (plan["steps"], plan["limit"]) == (12, 12) and plan["check_every"] < 12  # the guard ran, on both ranks
+    assert (plan["planned_at"] > 0) == (where == "first steps")
     a, b = losses(tmp_path / "single"), losses(tmp_path / "ddp")
     assert len(a) == len(b) == 12 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
 
 
-def test_a_time_budget_below_max_steps_ends_every_rank_at_the_same_step(corpus, tmp_path):
+@pytest.mark.parametrize("warmup", [2, 10])  # measured on a throwaway Trainer, or on the run's first steps
+def test_a_time_budget_below_max_steps_ends_every_rank_at_the_same_step(corpus, tmp_path, warmup):
     """Here the budget decides, not --max_steps: the probe's costs and the guard's numbers come from real clocks
     that differ between ranks, and rank 0 alone continues the sample prompts at each evaluation. A rank that
     planned or re-planned from its own numbers would end at another step and leave the other waiting in a
     collective (the 30 s --dist_timeout makes that a failure). The run ends, every rank at the planned step."""
     res = torchrun(2, args(corpus, tmp_path, "ddp", batch_size=4, max_steps=100_000, time_budget="30s",
-                           eval_interval=20, save_interval=40, log_interval=10, dist_timeout=30))
+                           eval_interval=20, save_interval=40, log_interval=10, dist_timeout=30, warmup_steps=warmup))
     plan = json.loads((tmp_path / "ddp" / "train_config.json").read_text())["resolved"]["time_budget"]
-    assert plan["steps"] < plan["limit"] == 100_000
+    assert plan["steps"] < plan["limit"] == 100_000 and (plan["planned_at"] > 0) == (warmup == 10)
     last = read_metrics(tmp_path / "ddp")[-1]["step"]
     replans = [r for r in strict_records(tmp_path / "ddp") if r.get("event") == "time_budget"]
     assert last == (replans[-1]["steps"] if replans else plan["steps"]), res.stderr[-2000:]

@@ -1,15 +1,21 @@
 """Training to a time budget (--time_budget 10m): how many optimizer steps fit, decided once from measured costs.
 
-Before the first step, the run is probed (driver.py measure_costs: a throwaway Trainer, built in a scratch run
-directory, does what the run does before its first step, takes a warm-up step, a few timed steps, one evaluation
-round and one checkpoint, exactly as the run will); the budget's clock starts when the process does, so setting up
-(the interpreter, tokenizing, the probe) is paid from it. What the run pays after the plan is made is planned too:
-building its own Trainer again (a GRPO run's reference model included) and what it does before its first step (the
-baseline evaluation of an --init_from model). The plan is then the most steps whose time, with every evaluation and
-checkpoint they bring, ends the run at TARGET of the budget:
+The run is measured where its first steps do not depend on the plan: when its warm-up is a fixed number of steps
+(--warmup_steps W; the learning rate of a warm-up step is the same for any length of run), the run plans on its
+own first steps (components/first_steps.py: a warm-up step, a few timed steps, then one checkpoint into a scratch
+directory and one evaluation round, rehearsed so that they leave no trace on the run), all within the warm-up and
+before its first evaluation and checkpoint (in_run_steps()); those steps are trained, not thrown away. Otherwise
+(a warm-up by ratio, of the length the plan decides) it is probed before its first step (driver.py
+measure_costs: a throwaway Trainer, built in a scratch run directory, does what the run does before its first step,
+takes a warm-up step, a few timed steps, one evaluation round and one checkpoint, exactly as the run will), and
+what the run then pays before its first step is planned too: building its own Trainer again (a GRPO run's
+reference model included) and its start (the baseline evaluation of an --init_from model). The budget's clock
+starts when the process does, so setting up (the interpreter, tokenizing, the measuring) is paid from it. The plan
+is then the most steps whose time, with every evaluation and checkpoint they bring, ends the run at TARGET of the
+budget; planned at step `after` (0 for the throwaway probe, the measured steps' last in the run):
 
-    start_s + first_extra_s + steps * step_s + evaluations(steps) * eval_s + checkpoints(steps) * save_s
-        <=  TARGET * budget - spent
+    start_s + first_extra_s + (steps - after) * step_s + evaluations(after, steps) * eval_s
+        + checkpoints(after, steps) * save_s  <=  TARGET * budget - spent
 
 and the learning-rate schedule (warm-up, cosine to the minimum) is laid over exactly those steps, so a budget run
 that plans N steps trains as `--max_steps N` does, bit for bit. --max_steps and --epochs stay upper bounds.
@@ -42,6 +48,7 @@ LOW = 0.94  # one before it re-plans longer (when --max_steps / --epochs leave r
 CHECK_SHARE = 0.01  # the guard looks at the clock about this often (a share of the budget)
 PLAN_KEY = "time_budget"  # the plan's key in a checkpoint's train_info.json and in train_config.json
 PROBE_DIR_NAME = ".time-budget-probe"  # the probe's scratch checkpoints, inside the run directory
+IN_RUN_LEAST = 4  # a run plans on its own first steps when it may take this many (a warm-up and 3 timed)
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
@@ -104,12 +111,13 @@ class BudgetPlan:
     save_s: float
     eval_interval: int
     save_interval: int  # a huge number with --no-checkpoints: the cost is 0 then anyway
-    setup_s: float  # seconds spent when the plan was made (the process's start, setting up, the probe)
+    setup_s: float  # seconds spent when the plan was made (the process's start, setting up, the measured steps)
     check_every: int  # steps between the guard's looks at the clock
     timed_steps: int = 0
     start_s: float = 0.0  # then building the run's Trainer and what it does before its first step
     replans: tuple[dict[str, Any], ...] = ()  # {"step", "steps", "step_s", "spent_s"}
     used_s: float = 0.0  # seconds of the budget spent when the last checkpoint was written
+    planned_at: int = 0  # the step the plan was made after (the run's own measured steps; 0: before the first)
 
     @property
     def end(self) -> int:
@@ -145,13 +153,16 @@ class BudgetPlan:
 
     def summary(self) -> str:
         """The one line the run prints when it has planned."""
-        evals = count_due(0, self.steps, self.eval_interval)
-        saves = count_due(0, self.steps, self.save_interval) if self.save_s > 0 else 0
-        planned = self.setup_s + self.start_s + self.first_extra_s + self.time_for(0, self.steps, self.step_s)
+        at = self.planned_at
+        evals = count_due(at, self.steps, self.eval_interval)
+        saves = count_due(at, self.steps, self.save_interval) if self.save_s > 0 else 0
+        planned = self.setup_s + self.start_s + self.first_extra_s + self.time_for(at, self.steps, self.step_s)
         why = "" if self.steps < self.limit else "; --max_steps / --epochs allow no more, so it ends early"
+        where = f"the run's first {at} steps: a warm-up and {self.timed_steps} timed" if at else \
+            f"{self.timed_steps} steps after a warm-up"
         return (f"time budget {format_duration(self.budget_s)}: {self.steps} step{'s' if self.steps != 1 else ''} "
                 f"at {self.step_s:.3g} s "
-                f"(measured over {self.timed_steps} steps after a warm-up), {evals} evaluation"
+                f"(measured over {where}), {evals} evaluation"
                 f"{'s' if evals != 1 else ''} at {self.eval_s:.3g} s, {saves} checkpoint{'s' if saves != 1 else ''} "
                 f"at {self.save_s:.3g} s, {format_duration(self.setup_s + self.start_s)} set-up: ends at about "
                 f"{format_duration(planned)}{why}")
@@ -166,16 +177,17 @@ class BudgetPlan:
 
 
 def make_plan(budget_s: float, spent_s: float, costs: Costs, limit: int, eval_interval: int,
-              save_interval: int | None) -> BudgetPlan:
-    """The steps that fit in what is left of the budget (TrainingError when not even one does)."""
+              save_interval: int | None, after: int = 0) -> BudgetPlan:
+    """The steps that fit in what is left of the budget, from step `after` on (the steps the run measured itself
+    on are taken: a plan ends no earlier). TrainingError when a plan made before the first step fits not one."""
     plan = BudgetPlan(budget_s=budget_s, steps=0, limit=limit, step_s=costs.step_s,
                       first_extra_s=costs.first_extra_s, eval_s=costs.eval_s,
                       save_s=costs.save_s if save_interval is not None else 0.0, eval_interval=eval_interval,
                       save_interval=save_interval or limit + 1, setup_s=spent_s, timed_steps=costs.timed_steps,
-                      start_s=costs.start_s,
+                      start_s=costs.start_s, planned_at=after,
                       check_every=max(1, int(CHECK_SHARE * budget_s / max(costs.step_s, 1e-9))))
     left = TARGET * budget_s - spent_s - costs.start_s - costs.first_extra_s
-    plan = dataclasses.replace(plan, steps=plan.fit(left, 0, costs.step_s))  # fit() reads the rest, not steps
+    plan = dataclasses.replace(plan, steps=plan.fit(left, after, costs.step_s))  # fit() reads the rest, not steps
     if plan.steps < 1:
         one = plan.time_for(0, 1, costs.step_s) + costs.first_extra_s
         raise TrainingError(f"--time_budget {format_duration(budget_s)} leaves no time to train: setting up takes "
@@ -226,3 +238,15 @@ def probe_count(first_s: float, budget_s: float) -> int:
     enough for 2 s or 2% of the budget, and never more than take 5% of it (a step of minutes is timed once)."""
     n = min(12, max(3, math.ceil(min(2.0, 0.02 * budget_s) / max(first_s, 1e-9))))
     return max(1, min(n, int(0.05 * budget_s / max(first_s, 1e-9))))
+
+
+def in_run_steps(warmup_steps: int | None, eval_interval: int, save_interval: int | None, limit: int) -> int:
+    """The most first steps a budget run may plan on (components/first_steps.py), or 0: it is probed on a
+    throwaway Trainer instead. They must train as they would in a run of any length, so all of them are warm-up
+    steps of a fixed --warmup_steps (not a --warmup_ratio of the length to be planned), and none is due for an
+    evaluation or a checkpoint (save_interval None: checkpoints are off) or is the last the run may take; and they
+    must be at least IN_RUN_LEAST."""
+    if warmup_steps is None:
+        return 0
+    most = min(warmup_steps, eval_interval - 1, limit - 1, save_interval - 1 if save_interval else limit)
+    return most if most >= IN_RUN_LEAST else 0

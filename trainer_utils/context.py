@@ -16,6 +16,7 @@ hook passes around live here too: the training state a checkpoint holds (TrainSt
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -120,6 +121,13 @@ class LoopControl(Protocol):
     def save(self) -> None:
         """Checkpoint this step (collective; a no-op when it is saved already or checkpoints are off)."""
 
+    def evaluation_round(self) -> None:
+        """Every component due at an evaluation, as the last step runs them."""
+
+    def rehearsal(self, scratch: Path) -> AbstractContextManager[None]:
+        """A context in which what runs leaves no trace on the run: it writes into `scratch`, logs nothing, and the
+        run's state and the components' are restored after it."""
+
     def sync_counters(self) -> None:
         """Copy the device-side counters into `state`, `grad_norm` and `bad_in_a_row` (one host sync)."""
 
@@ -177,6 +185,7 @@ class RunContext:
     # a --time_budget run's plan (a re-plan replaces it) and the clock it is held to (None: steps as given)
     plan: BudgetPlan | None
     budget_clock: BudgetClock | None
+    first_steps: int  # a budget run planned on its own first steps: the most it may measure (0: it is not)
     # live: replaced or updated by the loop
     state: TrainState
     clock: TrainClock

@@ -1,11 +1,13 @@
-"""The run around the loop: every training script's entry point. It builds the session, decides a --time_budget
-run's plan (measured on a throwaway Trainer in a scratch run directory, or the one a resumed checkpoint recorded),
-hands the Trainer that plan, and after a precision fallback builds a new Trainer that resumes in a wider precision.
+"""The run around the loop: every training script's entry point. It builds the session, decides how a --time_budget
+run is planned (on its own first steps, or measured on a throwaway Trainer in a scratch run directory, or the plan
+a resumed checkpoint recorded), hands the Trainer that plan, and after a precision fallback builds a new Trainer that
+resumes in a wider precision.
 
     main(stage, argv, description)   parse the flags and --config, then run()
     run(config, stage)               (--preset auto: the planner's pick) -> session -> plan -> Trainer.fit()
                                      -> (fallback -> plan -> Trainer.fit()) ...
-    plan_budget(session, clock)      the plan: resumed, or made from measure_costs() (trainer_utils/budget.py)
+    plan_budget(session, clock)      the plan: resumed, left to the run's first steps (components/first_steps.py),
+                                     or made from measure_costs() (trainer_utils/budget.py)
 
 The Trainer (loop.py) knows nothing of how its plan was made: it trains to the plan's end, and its time budget's
 guard (components/budget.py) replaces the plan with a re-planned one when the clock says so.
@@ -14,15 +16,18 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import shutil
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from common.device import timed
 from common.errors import ConfigError, PocketLMError, TrainingError
+from common.files import TRAIN_CONFIG_NAME
 from model.inference import read_train_info
 
 from .budget import (
@@ -32,13 +37,14 @@ from .budget import (
     BudgetPlan,
     Costs,
     format_duration,
+    in_run_steps,
     make_plan,
     probe_count,
     process_age,
 )
 from .config import AUTO_PRESET, TrainConfig
 from .data import StepFeeder
-from .loop import Trainer
+from .loop import Trainer, step_limit
 from .metrics import MetricsLogger
 from .planner import resolve_auto
 from .runtime import tune_allocator
@@ -69,9 +75,9 @@ def run(config: TrainConfig, stage: Stage | str, started: float | None = None) -
             resolve_auto(config, get_stage(stage).name, clock.spent())
         session = Session(config, stage)
         while True:
-            plan = plan_budget(session, clock)  # after a precision fallback: the checkpoint's, resumed
-            trainer = Trainer(session, plan, clock)
-            exit_code, fallback = trainer.fit(), trainer.fallback
+            plan, first_steps = plan_budget(session, clock)  # after a precision fallback: the checkpoint's, resumed
+            trainer = Trainer(session, plan, clock, first_steps)
+            exit_code, fallback, plan = trainer.fit(), trainer.fallback, trainer.plan
             del trainer  # the next Trainer's model and optimizer must not coexist with this one's
             if plan is not None and session.env.rank == 0:
                 print(f"time budget {format_duration(plan.budget_s)}: {format_duration(clock.spent())} spent "
@@ -88,11 +94,12 @@ def run(config: TrainConfig, stage: Stage | str, started: float | None = None) -
             session.backend.close()
 
 
-def plan_budget(session: Session, clock: BudgetClock) -> BudgetPlan | None:
+def plan_budget(session: Session, clock: BudgetClock) -> tuple[BudgetPlan | None, int]:
     """A --time_budget run's plan: the one its checkpoint recorded when it resumes (nothing measured again), else
-    made from this run's costs, measured. None without a budget."""
-    o, is_main = session.config.optim, session.env.rank == 0
-    budget_s = o.budget_s
+    (None, n) when the run plans on its own first n steps at most (budget.py in_run_steps), else made from this
+    run's costs, measured on a throwaway Trainer. (None, 0) without a budget."""
+    c, is_main = session.config, session.env.rank == 0
+    o, budget_s = c.optim, c.optim.budget_s
     # train_info.json, not training_state.pt: the latter holds the optimizer's state, which the Trainer loads
     saved = read_train_info(session.resume_from).get(PLAN_KEY) if session.resume_from is not None else None
     if saved:
@@ -106,27 +113,34 @@ def plan_budget(session: Session, clock: BudgetClock) -> BudgetPlan | None:
         if is_main:
             print(f"time budget {format_duration(plan.budget_s)}: resuming the plan of {plan.end} steps, "
                   f"{format_duration(clock.spent())} of it spent", file=sys.stderr)
-        return plan
+        return plan, 0
     if budget_s is None:
-        return None
+        return None, 0
     if session.resume_from is not None:
+        if started_with_budget(session.run_dir):
+            raise ConfigError(f"--time_budget: {session.resume_from} was saved before its run had planned its "
+                              "budget (stopped while it measured its first steps); start the run again")
         raise ConfigError(f"--time_budget: {session.run_dir} was started without one; its steps are fixed (resume "
                           "it without --time_budget, or start a new run)")
     clock.spent_before = 0.0
+    limit = step_limit(session)
+    first_steps = in_run_steps(o.warmup_steps, c.eval.eval_interval,
+                               c.run.save_interval if c.run.checkpoints else None, limit)
+    if first_steps:
+        return None, first_steps
     # the throwaway Trainer's run directory is a scratch one: its checkpoint, evaluation and marks go there
     scratch = copy.copy(session)
     scratch.run_dir = session.run_dir / PROBE_DIR_NAME
     t0 = time.perf_counter()
     probe = Trainer(scratch)
     try:  # the run builds its Trainer again after the plan: as long as this one took
-        costs, limit = measure_costs(probe, budget_s, time.perf_counter() - t0), probe.step_limit
+        costs = measure_costs(probe, budget_s, time.perf_counter() - t0)
     finally:
         del probe  # its model and optimizer must not coexist with the run's
         free_memory(session.device)
         session.backend.barrier()
         if is_main:
             shutil.rmtree(scratch.run_dir, ignore_errors=True)
-    c = session.config
     # every rank plans from the same numbers: the slowest rank's costs and time spent (ranks that started a few
     # milliseconds apart could otherwise plan a step apart, and one would wait for the other at the end)
     spent = session.backend.slowest([clock.spent()])[0]
@@ -134,7 +148,15 @@ def plan_budget(session: Session, clock: BudgetClock) -> BudgetPlan | None:
                      c.run.save_interval if c.run.checkpoints else None)
     if is_main:
         print(plan.summary(), file=sys.stderr)
-    return plan
+    return plan, 0
+
+
+def started_with_budget(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` was started with a --time_budget (its train_config.json says)."""
+    try:
+        return bool(json.loads((run_dir / TRAIN_CONFIG_NAME).read_text()).get("optim", {}).get("time_budget"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def measure_costs(trainer: Trainer, budget_s: float, built_s: float) -> Costs:

@@ -12,10 +12,12 @@ that resumes the last checkpoint in a wider one (--on_nonfinite fallback).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,18 @@ from .step import Step
 OOM_HELP = ("out of GPU memory. Reduce memory with a smaller --batch_size and more --accumulation_steps "
             "(same effective batch), --grad_checkpointing, or a shorter --max_seq_len. The last checkpoint "
             "is intact.")
+
+
+def samples_per_step(session: Session) -> int:
+    """Sequences in one optimizer step, over every rank and micro-batch."""
+    o = session.config.optim
+    return o.batch_size * o.accumulation_steps * session.backend.world_size
+
+
+def step_limit(session: Session) -> int:
+    """The most steps --max_steps, or else --epochs of the training data, allow."""
+    o = session.config.optim
+    return o.max_steps or o.epochs * max(1, len(session.train_data) // samples_per_step(session))
 
 
 class OnContext:
@@ -85,8 +99,8 @@ class Trainer:
     grad_norm = OnContext()
     bad_in_a_row = OnContext()
 
-    def __init__(self, session: Session, plan: BudgetPlan | None = None, budget_clock: BudgetClock | None = None
-                 ) -> None:
+    def __init__(self, session: Session, plan: BudgetPlan | None = None, budget_clock: BudgetClock | None = None,
+                 first_steps: int = 0) -> None:
         s, c = session, session.config
         self.session, self.config, self.backend = s, c, s.backend
         self.device, self.precision = s.backend.device, s.backend.precision
@@ -97,10 +111,9 @@ class Trainer:
         # wrapped first (DDP, a DeepSpeed engine, or the model itself), the optimizer then built over what the
         # backend trains: the order a sharded backend needs
         self.wrapped, self.optimizer = self.backend.wrap(self.model, lambda m: optimizer_for(m, o, self.device))
-        world = self.backend.world_size
-        self.samples_per_step = o.batch_size * o.accumulation_steps * world
+        self.samples_per_step = samples_per_step(session)
         steps_per_epoch = max(1, len(s.train_data) // self.samples_per_step)
-        self.step_limit = o.max_steps or o.epochs * steps_per_epoch  # a time budget's plan stays within it
+        self.step_limit = step_limit(session)  # a time budget's plan stays within it
         planned = plan.steps if plan is not None else self.step_limit
         self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, o.final_lr, o.warmup(planned), planned)
         for r in plan.replans if plan is not None else ():  # a resumed budget run's, as they were made
@@ -108,7 +121,8 @@ class Trainer:
         self.objective: Objective = s.objective()
         # a mixture of experts: its routers' balancing losses and load statistics (trainer_utils/routing.py)
         self.router = RouterBalance(self.model.config, self.backend, self.device) if self.model.config.moe else None
-        self.ctx = s.run_context(self, self.model, self.optimizer, self.objective, self.router, plan, budget_clock)
+        self.ctx = s.run_context(self, self.model, self.optimizer, self.objective, self.router, plan, budget_clock,
+                                 first_steps)
         self.stage_state = s.stage.prepare(self.ctx)  # what the stage's hooks keep for this run
         self.step = Step(self.model, self.wrapped, self.objective, self.backend, self.router, c.model.compile)
 
@@ -148,9 +162,15 @@ class Trainer:
         if report is None:
             return None
         self.measured.update(report.measured)
+        if report.plan is not None and self.plan is None:  # planned on the run's first steps: adopted
+            self.scheduler.set_total(report.plan.steps)
+            self.resolved.update({"total_steps": report.plan.steps, PLAN_KEY: report.plan.to_dict()})
+            if self.backend.is_main:
+                self.write_run_config()
+        elif report.plan is not None:
+            self.scheduler.end_at(self.state.step, report.plan.end)
         if report.plan is not None:
             self.plan = report.plan
-            self.scheduler.end_at(self.state.step, report.plan.end)
             if self.logger is not None:
                 self.logger.set_total(report.plan.end)
         return report.stop
@@ -192,16 +212,17 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint this step (collective): every rank writes what it owns into the staging directory, then
-        rank 0 completes it and publishes it. Nothing with --no-checkpoints, or when this step is saved."""
+        rank 0 completes it and publishes it. Nothing with --no-checkpoints, or when this step is saved. In a
+        rehearsal, into its scratch directory."""
         if not self.config.run.checkpoints or self.last_saved == self.state.step:
             return
-        s, backend, step = self.session, self.backend, self.state.step
+        s, backend, step, run_dir = self.session, self.backend, self.state.step, self.ctx.run_dir
         self.sync_counters()
         self.state.train_time_s = self.clock.elapsed()
         if backend.is_main:
-            new_staging_dir(s.run_dir, step)
+            new_staging_dir(run_dir, step)
         backend.barrier()
-        backend_state = backend.save_state(staging_dir(s.run_dir, step))
+        backend_state = backend.save_state(staging_dir(run_dir, step))
         weights = backend.master_weights(self.model) if s.lora is None else None
         backend.barrier()
         if backend.is_main:
@@ -213,10 +234,28 @@ class Trainer:
             if self.plan is not None:  # a budget run's plan, and the budget spent so far: what --resume continues
                 info[PLAN_KEY] = dataclasses.replace(self.plan, used_s=round(self.budget_clock.spent(), 3)).to_dict()
             write = None if s.lora is None else lambda d: save_lora(self.model, d, s.lora, s.base_ref, s.tokenizer.path)
-            save_checkpoint(s.run_dir, step, self.model, state, info, s.tokenizer.path, self.config.run.keep_last,
+            save_checkpoint(run_dir, step, self.model, state, info, s.tokenizer.path, self.config.run.keep_last,
                             write, weights)
         backend.barrier()
         self.last_saved = step
+
+    @contextlib.contextmanager
+    def rehearsal(self, scratch: Path) -> Iterator[None]:
+        """What runs inside leaves no trace on the run (a budget planned on the run's first steps times a checkpoint
+        and an evaluation round on the run itself): what it writes goes to `scratch` (its checkpoint, an early
+        stop's best mark), nothing is logged, and the training state, the last checkpoint saved, the measurements
+        and the components' states are as they were after it. (The random generators are left alone: the
+        evaluation round draws from none of the run's, the samples from a generator of their own.)"""
+        ctx = self.ctx
+        kept = (self.logger, dict(self.measured), dataclasses.replace(self.state), self.last_saved, ctx.run_dir)
+        states = {c: copy.deepcopy(c.state_dict()) for c in self.components if c.name}
+        self.logger, ctx.run_dir = MetricsLogger(scratch, False, 0, 0, {}), scratch
+        try:
+            yield
+        finally:
+            self.logger, self.measured, self.state, self.last_saved, ctx.run_dir = kept
+            for component, state in states.items():
+                component.load_state_dict(state)
 
     def write_run_config(self) -> None:
         """train_config.json: the run's settings (a valid --config that reproduces it) and what it derived."""

@@ -139,7 +139,8 @@ class WarmupCosine:
     end_at(step, end) (a --time_budget run whose machine ran slower or faster than measured, trainer_utils/
     budget.py) lays the rest of the schedule, from `step` on, over the steps up to `end` instead: the learning
     rate stays continuous and still reaches min_lr at the new last step. The re-plans are the budget plan's, which
-    the checkpoint keeps; the Trainer applies them again on resume.
+    the checkpoint keeps; the Trainer applies them again on resume. set_total(total) makes it the schedule of
+    `total` steps exactly, while only warm-up steps have been taken (a budget planned on the run's first steps).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float, min_lr: float, warmup: int,
@@ -156,6 +157,16 @@ class WarmupCosine:
         """Where optimizer step `step` is on the schedule of `total` steps (the step itself, until a re-plan)."""
         start, at, rate = next(seg for seg in reversed(self.segments) if seg[0] <= step)
         return at + (step - start) * rate
+
+    def set_total(self, total: int) -> None:
+        """Make this the schedule of `total` steps, exactly (a time budget planned on the run's first steps,
+        components/first_steps.py): only while every step taken was a warm-up step, whose learning rate is the
+        same for any total, and before any end_at()."""
+        if self.step_count > self.warmup or len(self.segments) > 1:
+            raise ValueError(f"set_total({total}) after step {self.step_count} of a {self.warmup}-step warm-up "
+                             "or a re-plan: the steps taken would not be the new schedule's")
+        self.total = self.end = max(total, 1)
+        self._apply()
 
     def end_at(self, step: int, end: int) -> None:
         """From optimizer step `step` on, finish the schedule at `end` (ending at `step` itself stops it there)."""

@@ -155,7 +155,7 @@ class Session:
 
     def run_context(self, control: LoopControl, model: PocketLM, optimizer: torch.optim.Optimizer,
                     objective: Objective, router: RouterBalance | None, plan: BudgetPlan | None,
-                    budget_clock: BudgetClock | None) -> RunContext:
+                    budget_clock: BudgetClock | None, first_steps: int = 0) -> RunContext:
         """What the stage's hooks and the components see of a Trainer's run (trainer_utils/context.py): this
         session's settled facts, and what the Trainer built."""
         return RunContext(
@@ -165,7 +165,8 @@ class Session:
             train_data=self.train_data, val_sets=self.val_sets, token_bytes=self.token_bytes, init_dir=self.init_dir,
             run_dir=self.run_dir, adapters=self.lora is not None, eval_tasks=self.eval_tasks, samples=self.samples,
             probes=self.probes, metric_unit=self.stage.metric_unit, memory_rows=self.stage.memory_rows,
-            estimates_memory=self.stage.estimates_memory, plan=plan, budget_clock=budget_clock, state=TrainState(),
+            estimates_memory=self.stage.estimates_memory, plan=plan, budget_clock=budget_clock,
+            first_steps=first_steps, state=TrainState(),
             clock=TrainClock(self.device))
 
     def train_info(self, tokens_seen: int, val_loss: float | None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ SETTLE = 3  # looks after a re-plan before the next one, unless a slow-down woul
 
 class TimeBudgetGuard(Component):
     def __init__(self, ctx: RunContext) -> None:
-        self.plan, self.clock = ctx.plan, ctx.budget_clock  # the plan the run starts with
+        self.plan, self.clock = ctx.plan, ctx.budget_clock  # the plan the run starts with (or is given: first_steps)
         self.marks: list[tuple[float, int]] = []  # (training seconds, step) after the first step and at each check
         self.replanned_at: int | None = None  # how many marks there were at the last re-plan
 
@@ -37,7 +37,8 @@ class TimeBudgetGuard(Component):
         self.replanned_at = None
 
     def after_step(self, ctx: RunContext, outcome: StepOutcome) -> None:
-        if self.plan is not None and not self.marks:  # measured from after the first step: it warms up
+        self.plan = ctx.plan  # a plan made on the run's first steps arrives after them
+        if self.plan is not None and not self.marks:  # measured from after its first step: it warms up
             self.marks.append((ctx.clock.elapsed(), ctx.state.step))
 
     def due(self, step: int, last: int) -> bool:
