@@ -4,8 +4,9 @@ compared with the budget. The goal: every run ends within 90-105% of its budget.
 
     python bench/bench_time_budget.py --budgets 1m 5m 20m 60m --out bench/results/time-budget-$(hostname).json
 
-Each record: the budget, the process's wall seconds and their share of the budget, the steps planned before the
-first step and trained in the end, the re-plans the guard made, what the probe measured, and the machine (CPU
+Each record: the budget, the process's wall seconds and their share of the budget, the steps planned and trained
+in the end, the re-plans the guard made, the last validation loss, what the probe measured (planned_at: the step
+the run planned after, on its own first steps; 0: before its first step, on a throwaway copy), and the machine (CPU
 model and kind, precision). Runs go one at a time (in parallel they would slow each other down).
 """
 from __future__ import annotations
@@ -41,11 +42,13 @@ def run_budget(budget: str, recipe: str, out: Path, extra: list[str]) -> dict:
     metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     trained = max(m["step"] for m in metrics if "loss" in m)
     replans = [m for m in metrics if m.get("event") == "time_budget"]
+    val = [m["val_loss"] for m in metrics if m.get("val_loss") is not None]
     seconds = parse_duration(budget)
     return {"budget": budget, "budget_s": seconds, "wall_s": round(wall, 2), "share": round(wall / seconds, 4),
             "within_goal": GOAL[0] <= wall / seconds <= GOAL[1], "planned_steps": plan["steps"],
-            "trained_steps": trained, "replans": len(replans), "probe": {k: plan[k] for k in (
-                "step_s", "first_extra_s", "eval_s", "save_s", "setup_s", "start_s", "timed_steps")}}
+            "trained_steps": trained, "replans": len(replans), "val_loss": val[-1] if val else None,
+            "probe": {k: plan.get(k, 0) for k in ("step_s", "first_extra_s", "eval_s", "save_s", "setup_s", "start_s",
+                                                  "timed_steps", "planned_at")}}
 
 
 def main(argv: list[str] | None = None) -> int:

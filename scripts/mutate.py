@@ -141,6 +141,10 @@ ON_TRACK_EQUIVALENT = (
     Equivalent("OnTrack.watch_training", ("or train_loss <= lowest)",), "an equal loss leaves the lowest as it was"),
     Equivalent("OnTrack.compare", ("or val_loss <= best:",), "an equal loss leaves the best as it was"),
 )
+FIRST_STEPS_EQUIVALENT = (
+    Equivalent("FirstStepsPlan.__init__", ("self.last = None", "self.last = 1"),
+               "the first step's wrapper sets it before due() is first asked, after that step"),
+)
 EXTRACT_EQUIVALENT = (
     Equivalent("decode_text", ('encoding or "UTF-8"',), "codec names are case-insensitive: UTF-8 is the utf-8 codec"),
     Equivalent("_slug", ('.encode("ASCII", "ignore")', '.strip("XX-XX")'),
@@ -244,8 +248,11 @@ LOSS_MODEL_EQUIVALENT = (
 )
 TARGETS: dict[str, Target] = {
     "trainer_utils/budget.py": Target(("tests/test_time_budget.py", "tests/test_budget_plan.py",
-                                       "tests/test_properties.py"), PLAN_EQUIVALENT),
-    "trainer_utils/components/budget.py": Target(("tests/test_time_budget.py",), GUARD_EQUIVALENT),
+                                       "tests/test_first_steps_plan.py", "tests/test_properties.py"),
+                                      PLAN_EQUIVALENT),
+    "trainer_utils/components/budget.py": Target(("tests/test_time_budget.py", "tests/test_first_steps_plan.py"),
+                                                 GUARD_EQUIVALENT),
+    "trainer_utils/components/first_steps.py": Target(("tests/test_first_steps_plan.py",), FIRST_STEPS_EQUIVALENT),
     "trainer_utils/planner.py": Target(("tests/test_planner.py", "tests/test_auto_preset.py"), PLANNER_EQUIVALENT),
     "trainer_utils/rollouts.py": Target(RL_TESTS, ROLLOUTS_EQUIVALENT),
     "trainer_utils/rewards.py": Target(RL_TESTS, REWARDS_EQUIVALENT),

@@ -272,6 +272,9 @@ def test_bench_time_budget_records_each_budget_against_its_wall_time(corpus, tmp
     assert run["share"] == pytest.approx(run["wall_s"] / 12, rel=1e-3)
     assert run["within_goal"] is (10.8 <= run["wall_s"] <= 12.6) and rc == (0 if run["within_goal"] else 1)
     assert run["trained_steps"] >= 1 and run["probe"]["step_s"] > 0
+    assert run["probe"]["planned_at"] == 0  # a warm-up by ratio: probed on a throwaway copy
+    val = [json.loads(x) for x in (tmp_path / "runs" / "budget-12s" / "metrics.jsonl").read_text().splitlines()]
+    assert run["val_loss"] == [r["val_loss"] for r in val if "val_loss" in r][-1]
 
 
 def test_bench_install_summarises_a_run_from_its_metrics(tmp_path):

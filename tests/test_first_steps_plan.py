@@ -161,3 +161,32 @@ def test_a_run_stopped_before_its_plan_is_made_says_to_start_again(corpus, tmp_p
     assert train_pretrain.main(first_steps_flags(corpus, tmp_path, "run", resume=True)) == 2
     err = capsys.readouterr().err
     assert "was saved before its run had planned its budget" in err and "start the run again" in err, err
+
+
+@pytest.mark.parametrize("first_s,planned_at,timed", [
+    (5.0, 2, 1),  # a slow warm-up step: budget.probe_count times one more step within 5% of 40 s
+    (1.0, 3, 2),
+])
+def test_the_warm_up_step_decides_how_many_steps_are_timed_and_is_not_one_of_them(corpus, tmp_path, monkeypatch,
+                                                                                  first_s, planned_at, timed):
+    virtual_clock(monkeypatch, lambda step: first_s if step == 1 else 1.0)
+    assert train_pretrain.main(first_steps_flags(corpus, tmp_path, "run")) == 0
+    plan = resolved(tmp_path / "run")["time_budget"]
+    assert (plan["planned_at"], plan["timed_steps"], plan["step_s"]) == (planned_at, timed, 1.0)
+    assert plan["setup_s"] == first_s + timed  # the warm-up step's time is spent, not expected again
+
+
+def test_fast_steps_are_timed_up_to_the_step_before_the_first_evaluation(corpus, tmp_path, monkeypatch):
+    virtual_clock(monkeypatch, lambda step: 0.01)  # budget.probe_count would time 12
+    assert train_pretrain.main(first_steps_flags(corpus, tmp_path, "run", eval_interval=6)) == 0
+    plan = resolved(tmp_path / "run")["time_budget"]
+    assert (plan["planned_at"], plan["timed_steps"]) == (5, 4)  # steps 1-5: a warm-up and 4 timed
+    assert [r["step"] for r in strict_records(tmp_path / "run") if "val_loss" in r][:2] == [6, 12]
+
+
+def test_without_checkpoints_the_plan_counts_none(corpus, tmp_path, monkeypatch):
+    virtual_clock(monkeypatch, lambda step: 1.0, save_s=5.0)
+    assert train_pretrain.main(first_steps_flags(corpus, tmp_path, "run", **{"no-checkpoints": True})) == 0
+    plan = resolved(tmp_path / "run")["time_budget"]
+    assert (plan["planned_at"], plan["save_s"], plan["save_interval"], plan["steps"]) == (3, 0.0, 101, 38)
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -25,7 +25,7 @@ class FirstStepsPlan(Component):
     def __init__(self, ctx: RunContext) -> None:
         self.most = ctx.first_steps  # the most steps it may measure (0: the run is not planned here)
         self.times: list[float] = []  # seconds of each step measured, the warm-up step's first
-        self.last = 0  # the step it plans after, known once the warm-up step is timed
+        self.last = 0  # the step it plans after, set when the warm-up step is timed (0: none)
 
     def wrap_step(self, ctx: RunContext, step: Callable[[], None]) -> Callable[[], None]:
         if not self.most or ctx.plan is not None:
@@ -40,7 +40,7 @@ class FirstStepsPlan(Component):
         return measured
 
     def due(self, step: int, last: int) -> bool:
-        return self.most > 0 and step == self.last
+        return step == self.last  # once: the steps go on past it
 
     def run(self, ctx: RunContext) -> Report:
         c, backend, scratch = ctx.config, ctx.backend, ctx.run_dir / PROBE_DIR_NAME
@@ -59,5 +59,4 @@ class FirstStepsPlan(Component):
         plan = make_plan(c.optim.budget_s, spent, costs, ctx.control.total_steps, c.eval.eval_interval,
                          c.run.save_interval if c.run.checkpoints else None, after=ctx.state.step)
         ctx.logger.message(plan.summary())
-        self.most = 0  # planned: nothing more to measure
-        return Report(plan=plan)
+        return Report(plan=plan)  # the loop records it: from the next step on, the run has its plan
