@@ -190,3 +190,15 @@ def test_without_checkpoints_the_plan_counts_none(corpus, tmp_path, monkeypatch)
     plan = resolved(tmp_path / "run")["time_budget"]
     assert (plan["planned_at"], plan["save_s"], plan["save_interval"], plan["steps"]) == (3, 0.0, 101, 38)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_guard_keeps_a_plan_made_on_the_first_steps(corpus, tmp_path, monkeypatch):
+    """The guard takes the plan when it arrives: a machine 3x slower from step 10 on is re-planned shorter, and the
+    run still ends within its budget."""
+    clock = virtual_clock(monkeypatch, lambda step: 1.0 if step < 10 else 3.0)
+    started = clock.now
+    assert train_pretrain.main(first_steps_flags(corpus, tmp_path, "run")) == 0
+    events = [r for r in strict_records(tmp_path / "run") if r.get("event") == "time_budget"]
+    assert events and events[0]["planned_steps"] == 38 and events[-1]["steps"] < 38
+    assert read_metrics(tmp_path / "run")[-1]["step"] == events[-1]["steps"]
+    assert 0.90 * 40 <= clock.now - started <= 40
