@@ -345,3 +345,15 @@ def test_bench_auto_fails_a_goal_it_misses(tmp_path, monkeypatch, losses, expect
     assert b.main(["--budgets", "1m", "--runs_dir", str(tmp_path)]) == 1
     assert b.neighbours("depth-1") == ["depth-2"] and b.neighbours("depth-48") == ["depth-47"]
     assert b.neighbours("mini-30m") == []
+
+
+def test_bench_sharing_times_a_step_alone_and_beside_another_training_process(tmp_path):
+    out = tmp_path / "sharing.json"
+    rc = bench_module("bench_sharing").main(["--preset", "tiny", "--batch_size", "2", "--seq_len", "32", "--steps",
+                                             "3", "--settle", "0.5", "--settings", "one_thread", "--out", str(out)])
+    report = json.loads(out.read_text())
+    r = report["results"]["one_thread"]
+    assert report["goal"] == 2.5 and report["cores"] == os.cpu_count() and 0 < r["alone_s"] < 5
+    assert r["ratio"] == pytest.approx(r["beside_s"] / r["alone_s"], rel=1e-2)
+    assert r["within_goal"] is (r["beside_s"] / r["alone_s"] <= 2.5) and rc == (0 if r["within_goal"] else 1)
+    assert not [p for p in os.popen("ps -eo args").read().splitlines() if "--steps 1000000" in p]  # the other: gone
