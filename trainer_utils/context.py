@@ -94,7 +94,7 @@ class Stop:
 class Report:
     """What a component's start() or run() hands back to the loop, which records it before the next component
     runs: the numbers it measured, for the components after it and the checkpoint (RunContext.measured: the last
-    `val_loss`, `train_loss`); a re-planned time budget (the run trains to its end from now on); and a Stop when
+    `val_loss`, `train_loss`); a time budget's plan or re-plan (the run trains to its end from now on); and a Stop when
     training ends after this step."""
 
     measured: dict[str, float | None] = field(default_factory=dict)

@@ -157,19 +157,20 @@ class Trainer:
         return self.scheduler.lr
 
     def record(self, report: Report | None) -> Stop | None:
-        """Take in what a component produced: its measurements, a re-planned time budget (trained to its end
-        instead, the rest of the schedule laid over the steps up to it); returns its Stop, if any."""
+        """Take in what a component produced: its measurements, a time budget's plan (made on the run's first steps)
+        or re-plan (trained to its end instead, the rest of the schedule laid over the steps up to it); returns its
+        Stop, if any."""
         if report is None:
             return None
         self.measured.update(report.measured)
-        if report.plan is not None and self.plan is None:  # planned on the run's first steps: adopted
-            self.scheduler.set_total(report.plan.steps)
-            self.resolved.update({"total_steps": report.plan.steps, PLAN_KEY: report.plan.to_dict()})
-            if self.backend.is_main:
-                self.write_run_config()
-        elif report.plan is not None:
-            self.scheduler.end_at(self.state.step, report.plan.end)
         if report.plan is not None:
+            if self.plan is None:  # made on the run's first steps, all warm-up: the schedule of its length, exactly
+                self.scheduler.set_total(report.plan.steps)
+                self.resolved.update({"total_steps": report.plan.steps, PLAN_KEY: report.plan.to_dict()})
+                if self.backend.is_main:
+                    self.write_run_config()
+            else:  # a re-plan: the rest of the schedule laid over the steps up to its end
+                self.scheduler.end_at(self.state.step, report.plan.end)
             self.plan = report.plan
             if self.logger is not None:
                 self.logger.set_total(report.plan.end)
