@@ -53,10 +53,10 @@ TRAINING_SHARE = 0.9  # of a budget spent in training steps: setting up, evaluat
 OPTIMIZER = "muon"  # pretraining's default (--optimizer auto without DeepSpeed)
 MEMORY_SHARE = 0.85  # of the device's memory a plan may fill (the allocator, the CUDA context, fragmentation)
 BATCHES = tuple(b for b in (16, 8, 4, 2, 1) if b <= RECIPE["batch_size"])  # the recipe's, else the largest that fits
-# The fewest tokens per parameter of the loss model's runs (depth 5 for 120 steps: 0.059), rounded down: a model
+# The fewest tokens per parameter of the loss model's runs (depth 6 for 120 steps: 0.041), rounded down: a model
 # that would read fewer in the budget lies where the model's size term promises what no run showed (a large model
 # on a few epochs of a small corpus), so it is not picked
-MIN_TOKENS_PER_PARAMETER = 0.05
+MIN_TOKENS_PER_PARAMETER = 0.04
 AUTO_MIN_SECONDS = 1.0  # of timed steps per candidate when a run plans itself (its budget pays for them)
 MAX_ROUNDS = 12  # of timing the best expected candidate and its neighbours (each round times at most three)
 SAMPLE_BYTES = 2 << 20  # of --data_path read to estimate its tokens
