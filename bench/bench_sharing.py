@@ -1,7 +1,7 @@
 """A training step beside another training process, against the same step alone: what sharing the cores costs.
 
     python bench/bench_sharing.py                                        # the demo's model: depth-4, 16 x 256, fp32
-    python bench/bench_sharing.py --settings default passive one_thread --out bench/results/sharing-$(hostname).json
+    python bench/bench_sharing.py --settings default passive spin_10k --out bench/results/sharing-$(hostname).json
 
 Two processes that each run a thread pool as wide as the machine contend for its cores: when a pool's threads
 wait for each other at the end of every parallel region while the other pool holds the cores, a step can take
@@ -14,6 +14,8 @@ given --settle seconds to warm up). The median of the steps after the first two 
 Settings (both processes):
   default     torch's own threads (one per core) and OpenMP's own wait policy
   passive     OMP_WAIT_POLICY=PASSIVE: a thread that waits sleeps at once instead of spinning on a core
+  spin_10k, spin_100k   GOMP_SPINCOUNT: a waiting thread spins that many times before it sleeps (GNU OpenMP, which
+              PyTorch's Linux wheels use; its own default spins 300,000 times)
   one_thread  one thread per process (torch.set_num_threads(1)): two processes, one core each
 Nothing else should run meanwhile: every number names the machine it was measured on.
 """
@@ -33,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 GOAL = 2.5  # a step beside one other training process, over its time alone
 SETTINGS = {"default": ({}, []), "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
+            "spin_10k": ({"GOMP_SPINCOUNT": "10000"}, []), "spin_100k": ({"GOMP_SPINCOUNT": "100000"}, []),
             "one_thread": ({}, ["--threads", "1"])}
 
 

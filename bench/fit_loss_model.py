@@ -1,22 +1,23 @@
 """Fit the loss model (trainer_utils/loss_model.py) to short pretraining runs of the bundled corpus.
 
-    python bench/fit_loss_model.py                                       # depths 2-5, 3 lengths each, fp32
+    python bench/fit_loss_model.py                                       # depths 2-5 at 120, 240, 480 steps, fp32
     python bench/fit_loss_model.py --depths 2 3 4 --steps 120 240 --out /tmp/fit.json
     python bench/fit_loss_model.py --holdout 6:240 4:720          # and predict runs left out of the fit
     python bench/fit_loss_model.py --depths 2 3 4 --steps 120 240 480 960 --more 5:120 5:240 5:480 6:120 6:240 \
         --holdout 1:120 1:240 1:480 1:960                            # the shipped fit (FIT_RESULTS)
-    python bench/fit_loss_model.py --depths 3 4 5 --steps 240 480 --model bench/results/loss-model-demo.json \
-        --out bench/results/loss-model-progress-demo.json         # the progress table, against the shipped fit
+    python bench/fit_loss_model.py --depths 3 4 --steps 480 --model bench/results/loss-model-demo.json \
+        --out /tmp/check.json                                      # runs tested against the shipped fit
 
 Every run is a model of the depth family (`--preset depth-N`, model/config.py: 64 x depth wide, heads of 64, two
 key-value heads where the heads divide by two, QK-norm, context 256) trained with the demo recipe's settings
 (Muon at learning rate 4e-3, 20 warm-up steps, 16 sequences a step) for a given number of steps, its schedule
 completed there, in a process of its own (train_pretrain.py), evaluated --evals times on its way (its curve). A
 run's point is (non-embedding parameters, tokens trained on, final validation loss); the fit, its constants and
-each point's relative error are written to --out, with the progress table of the runs' curves (where a run's
-validation loss is at each tenth of its steps, against the model: what the on-track check expects). --model tests
-the runs against a recorded fit instead of fitting them. --holdout runs (DEPTH:STEPS) are trained the same way but
-left out of the fit: their predicted and actual losses test it beyond the sizes and lengths it saw. A run already
+each point's relative error are written to --out, with the progress table of the curves of the runs of at least
+--progress_steps steps (where a run's validation loss is at each tenth of its steps, against the model: what the
+on-track check expects). --more runs (DEPTH:STEPS) are fitted beside the grid of --depths x --steps. --model
+tests the runs against a recorded fit instead of fitting them. --holdout runs are trained the same way but left
+out of the fit: their predicted and actual losses test it beyond the sizes and lengths it saw. A run already
 done (its metrics.jsonl in --runs_dir has its last step) is read, not trained again, so an interrupted fit
 continues where it stopped. The losses do not depend on the machine (fp32, one process); the time each run took
 does, and is recorded with the machine.

@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+from trainer_utils.loss_model import LossModel
+
 from conftest import ROOT, demo_records, write_jsonl
 
 pytestmark = pytest.mark.slow  # real processes: `make test-fast` leaves this module out
@@ -357,3 +359,23 @@ def test_bench_sharing_times_a_step_alone_and_beside_another_training_process(tm
     assert r["ratio"] == pytest.approx(r["beside_s"] / r["alone_s"], rel=1e-2)
     assert r["within_goal"] is (r["beside_s"] / r["alone_s"] <= 2.5) and rc == (0 if r["within_goal"] else 1)
     assert not [p for p in os.popen("ps -eo args").read().splitlines() if "--steps 1000000" in p]  # the other: gone
+
+
+def test_the_progress_table_is_each_shares_median_ratio_with_the_spread_and_errors_added():
+    """Runs whose curves sit at known ratios of a loss model: each share's ratio is their median, its tolerance the
+    farthest run from it plus the model's error plus ELSEWHERE; points before min_tokens are left out."""
+    fit = bench_module("fit_loss_model")
+    model = LossModel(E=2.0, A=10.0, alpha=0.5, B=100.0, beta=0.5)
+    per_step = fit.RECIPE["batch_size"] * fit.FIT_CONTEXT
+
+    def run(n, steps, ratio):
+        return {"parameters": n, "steps": steps,
+                "curve": [[s, ratio * model.loss(n, s * per_step)] for s in range(steps // 10, steps + 1, steps // 10)]}
+
+    runs = [run(1e4, 100, 1.00), run(1e5, 200, 1.02), run(1e6, 400, 1.04)]
+    table = fit.progress(runs, model, model_error=0.01, min_tokens=40 * per_step)
+    # share 0.2: the runs at steps 20 (left out: fewer than 40 steps' tokens), 40 and 80
+    assert table["shares"] == [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0] and table["points"][0] == 2
+    assert table["ratios"][0] == pytest.approx(1.03) and table["ratios"][-1] == pytest.approx(1.02)
+    assert table["tolerances"][-1] == pytest.approx(0.02 / 1.02 + 0.01 + fit.ELSEWHERE, abs=1e-3)
+    assert fit.progress(runs[:1], model, 0.01, 0) is None  # one run: no share has two points
