@@ -415,6 +415,57 @@ def test_the_tuned_allocator_reuses_a_freed_buffer_without_faulting_its_pages_ag
     assert probe("tuned", MALLOC_ARENA_MAX="2")[0] == "False"
 
 
+SPIN_PROBE = """
+import resource, sys, time
+if sys.argv[1] == "trainer_utils":
+    import trainer_utils  # as every training script imports it: before PyTorch
+import torch
+torch.set_num_threads(2)
+x = torch.ones(1 << 20)
+def cpu_s():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+for _ in range(20):
+    x.add_(1)  # the thread pool is up
+t0 = cpu_s()
+for _ in range(100):  # a parallel add, then a pause in which the pool's threads wait
+    x.add_(1)
+    time.sleep(0.005)
+print(cpu_s() - t0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2,
+                    reason="GNU OpenMP (PyTorch's Linux thread pool), two threads")
+def test_training_processes_leave_the_cores_soon_after_a_parallel_region():
+    """OpenMP's threads spin on their cores for a while after each parallel region before they sleep: the CPU time
+    of a process that adds in parallel and pauses 100 times. With the training machinery imported first (its
+    GOMP_SPINCOUNT, trainer_utils/__init__.py) they sleep ten times sooner here; another process beside a run gets
+    the cores back (bench/bench_sharing.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+
+    def cpu_s(mode: str) -> float:
+        done = subprocess.run([sys.executable, "-c", SPIN_PROBE, mode], capture_output=True, text=True, check=True,
+                              cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+        return float(done.stdout)
+
+    assert cpu_s("plain") > 3 * cpu_s("trainer_utils")
+
+
+def test_the_spin_count_is_left_to_an_environment_that_chooses_it(monkeypatch):
+    import trainer_utils
+
+    for chosen in ({"GOMP_SPINCOUNT": "INFINITE"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        for k, v in chosen.items():
+            monkeypatch.setenv(k, v)
+        assert trainer_utils.share_cores() is False and os.environ.get("GOMP_SPINCOUNT") == chosen.get("GOMP_SPINCOUNT")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert trainer_utils.share_cores() is True and os.environ["GOMP_SPINCOUNT"] == trainer_utils.SPIN_COUNT == "10000"
+
+
 def test_the_skipped_step_count_survives_a_resume(corpus, tmp_path, monkeypatch):
     real = loop_mod.Trainer.train_step
 
