@@ -15,7 +15,8 @@ Settings (both processes):
   default     torch's own threads (one per core) and OpenMP's own wait policy
   passive     OMP_WAIT_POLICY=PASSIVE: a thread that waits sleeps at once instead of spinning on a core
   spin_10k, spin_100k   GOMP_SPINCOUNT: a waiting thread spins that many times before it sleeps (GNU OpenMP, which
-              PyTorch's Linux wheels use; its own default spins 300,000 times)
+              PyTorch's Linux wheels use; its own default spins 300,000 times). spin_10k is what training processes
+              set (trainer_utils/__init__.py)
   one_thread  one thread per process (torch.set_num_threads(1)): two processes, one core each
 Nothing else should run meanwhile: every number names the machine it was measured on.
 """
@@ -55,7 +56,9 @@ def step_s(args: argparse.Namespace, setting: str, env: dict[str, str]) -> float
 
 
 def measure(args: argparse.Namespace, setting: str) -> dict:
-    env = {**os.environ, **SETTINGS[setting][0]}
+    # each setting alone decides how OpenMP waits: nothing of this process's environment
+    env = {**{k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")},
+           **SETTINGS[setting][0]}
     alone = step_s(args, setting, env)
     other = subprocess.Popen(timed_child(args, 10**6, setting), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
