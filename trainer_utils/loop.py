@@ -157,9 +157,8 @@ class Trainer:
         return self.scheduler.lr
 
     def record(self, report: Report | None) -> Stop | None:
-        """Take in what a component produced: its measurements, a time budget's plan (made on the run's first steps)
-        or re-plan (trained to its end instead, the rest of the schedule laid over the steps up to it); returns its
-        Stop, if any."""
+        """Take in what a component produced: its measurements, a time budget's plan or re-plan (the run trains to its
+        end); returns its Stop, if any."""
         if report is None:
             return None
         self.measured.update(report.measured)
@@ -242,11 +241,9 @@ class Trainer:
 
     @contextlib.contextmanager
     def rehearsal(self, scratch: Path) -> Iterator[None]:
-        """What runs inside leaves no trace on the run (a budget planned on the run's first steps times a checkpoint
-        and an evaluation round on the run itself): what it writes goes to `scratch` (its checkpoint, an early
-        stop's best mark), nothing is logged, and the training state, the last checkpoint saved, the measurements
-        and the components' states are as they were after it. (The random generators are left alone: the
-        evaluation round draws from none of the run's, the samples from a generator of their own.)"""
+        """What runs inside leaves no trace on the run (components/first_steps.py times a checkpoint and an evaluation
+        round on it): it writes into `scratch` (a checkpoint, an early stop's best mark), logs nothing, and the state,
+        measurements and components' states are restored after it (the samples draw from a generator of their own)."""
         ctx = self.ctx
         kept = (self.logger, dict(self.measured), dataclasses.replace(self.state), self.last_saved, ctx.run_dir)
         states = {c: copy.deepcopy(c.state_dict()) for c in self.components if c.name}
