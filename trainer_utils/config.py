@@ -144,6 +144,11 @@ class RunConfig:
     wandb_project: str = option("pocketlm", "wandb project", metavar="NAME")
     use_tensorboard: bool = option(False, "log to TensorBoard (out/<run>/tensorboard)")
 
+    @property
+    def checkpoint_every(self) -> int | None:
+        """Steps between checkpoints; None with --no-checkpoints."""
+        return self.save_interval if self.checkpoints else None
+
 
 @dataclass
 class EvalOptions:

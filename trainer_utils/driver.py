@@ -124,8 +124,7 @@ def plan_budget(session: Session, clock: BudgetClock) -> tuple[BudgetPlan | None
                           "it without --time_budget, or start a new run)")
     clock.spent_before = 0.0
     limit = step_limit(session)
-    first_steps = in_run_steps(o.warmup_steps, c.eval.eval_interval,
-                               c.run.save_interval if c.run.checkpoints else None, limit)
+    first_steps = in_run_steps(o.warmup_steps, c.eval.eval_interval, c.run.checkpoint_every, limit)
     if first_steps:
         return None, first_steps
     # the throwaway Trainer's run directory is a scratch one: its checkpoint, evaluation and marks go there
@@ -144,8 +143,7 @@ def plan_budget(session: Session, clock: BudgetClock) -> tuple[BudgetPlan | None
     # every rank plans from the same numbers: the slowest rank's costs and time spent (ranks that started a few
     # milliseconds apart could otherwise plan a step apart, and one would wait for the other at the end)
     spent = session.backend.slowest([clock.spent()])[0]
-    plan = make_plan(budget_s, spent, costs, limit, c.eval.eval_interval,
-                     c.run.save_interval if c.run.checkpoints else None)
+    plan = make_plan(budget_s, spent, costs, limit, c.eval.eval_interval, c.run.checkpoint_every)
     if is_main:
         print(plan.summary(), file=sys.stderr)
     return plan, 0

@@ -59,10 +59,15 @@ def samples_per_step(session: Session) -> int:
     return o.batch_size * o.accumulation_steps * session.backend.world_size
 
 
+def steps_per_epoch(session: Session) -> int:
+    """Optimizer steps in one pass over the training data (at least one)."""
+    return max(1, len(session.train_data) // samples_per_step(session))
+
+
 def step_limit(session: Session) -> int:
     """The most steps --max_steps, or else --epochs of the training data, allow."""
     o = session.config.optim
-    return o.max_steps or o.epochs * max(1, len(session.train_data) // samples_per_step(session))
+    return o.max_steps or o.epochs * steps_per_epoch(session)
 
 
 class OnContext:
@@ -112,7 +117,6 @@ class Trainer:
         # backend trains: the order a sharded backend needs
         self.wrapped, self.optimizer = self.backend.wrap(self.model, lambda m: optimizer_for(m, o, self.device))
         self.samples_per_step = samples_per_step(session)
-        steps_per_epoch = max(1, len(s.train_data) // self.samples_per_step)
         self.step_limit = step_limit(session)  # a time budget's plan stays within it
         planned = plan.steps if plan is not None else self.step_limit
         self.scheduler = WarmupCosine(self.optimizer, o.learning_rate, o.final_lr, o.warmup(planned), planned)
@@ -135,7 +139,7 @@ class Trainer:
         if s.resume_from is not None:  # after wrap: a DeepSpeed engine restores into itself
             self._restore(s.resume_from)
 
-        derived = {"total_steps": self.total_steps, "steps_per_epoch": steps_per_epoch,
+        derived = {"total_steps": self.total_steps, "steps_per_epoch": steps_per_epoch(s),
                    "samples_per_step": self.samples_per_step, "tokens_per_step": self.samples_per_step * s.max_seq_len,
                    "warmup_steps": self.scheduler.warmup, "min_lr": self.scheduler.min_lr}
         if o.optimizer == "muon":

@@ -25,7 +25,7 @@ SETTLE = 3  # looks after a re-plan before the next one, unless a slow-down woul
 
 class TimeBudgetGuard(Component):
     def __init__(self, ctx: RunContext) -> None:
-        self.plan, self.clock = ctx.plan, ctx.budget_clock  # the plan the run starts with (or is given: first_steps)
+        self.plan, self.clock = ctx.plan, ctx.budget_clock  # the plan the run starts with (None until one is made)
         self.marks: list[tuple[float, int]] = []  # (training seconds, step) after the first step and at each check
         self.replanned_at: int | None = None  # how many marks there were at the last re-plan
 

@@ -57,6 +57,6 @@ class FirstStepsPlan(Component):
         costs = Costs(step_s=step_s, first_extra_s=0.0, eval_s=eval_s, save_s=save_s,
                       timed_steps=len(self.times) - 1)
         plan = make_plan(c.optim.budget_s, spent, costs, ctx.control.total_steps, c.eval.eval_interval,
-                         c.run.save_interval if c.run.checkpoints else None, after=ctx.state.step)
+                         c.run.checkpoint_every, after=ctx.state.step)
         ctx.logger.message(plan.summary())
         return Report(plan=plan)  # the loop records it: from the next step on, the run has its plan
