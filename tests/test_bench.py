@@ -263,11 +263,15 @@ def test_bench_time_budget_records_each_budget_against_its_wall_time(corpus, tmp
     out = tmp_path / "budget.json"
     t0 = time.perf_counter()
     rc = bench_module("bench_time_budget").main(["--budgets", "12s", "--recipe", str(recipe), "--out", str(out),
-                                                 "--runs_dir", str(tmp_path / "runs")])
+                                                 "--runs_dir", str(tmp_path / "runs"), "--beside", "sleep 5.125"])
     elapsed = time.perf_counter() - t0
     result = json.loads(out.read_text())
     run = result["runs"][0]
     assert result["machine"]["device"] == "cpu" and result["goal"] == [0.9, 1.05]
+    # the other work ran from the start to the end (started again as it ended) and is gone
+    assert result["beside"]["command"] == "sleep 5.125" and result["beside"]["starts"] >= 2
+    assert not [p for p in os.popen("ps -eo args").read().splitlines() if p == "sleep 5.125"]
+    assert 0 < run["slowest_step_s"] < run["wall_s"]
     # the process's wall time, as this test's clock sees it too (whether this machine meets the goal is the
     # benchmark's finding, not this test's): the verdict and the exit status follow from it
     assert 1.0 < run["wall_s"] <= elapsed and run["budget_s"] == 12
@@ -302,16 +306,20 @@ def test_bench_install_summarises_a_run_from_its_metrics(tmp_path):
 
 def fake_training(tmp_path, losses, expected, calls):
     """Stands in for train_pretrain.py processes: a run of `preset` (auto resolves to depth-3) ends at step 10
-    with validation loss losses[its preset] (bits per byte half of it); the auto run expected `expected`."""
+    with validation loss losses[its preset] (bits per byte half of it; a list: one loss per seed, the default
+    seed's first, then --seed 1's and 2's); the auto run expected `expected`. A call is recorded as its preset,
+    or 'preset:seed' where it names a seed."""
     def run(cmd, cwd, capture_output, text):
         preset, name = cmd[cmd.index("--preset") + 1], cmd[cmd.index("--run_name") + 1]
-        calls.append(preset)
+        seed = int(cmd[cmd.index("--seed") + 1]) if "--seed" in cmd else 0
+        calls.append(f"{preset}:{seed}" if seed else preset)
         resolved = "depth-3" if preset == "auto" else preset
+        loss = losses[resolved][seed] if isinstance(losses[resolved], list) else losses[resolved]
         run_dir = tmp_path / name
         run_dir.mkdir()
         (run_dir / "train_config.json").write_text(json.dumps({"model": {"preset": resolved}}))
         records = [{"step": 5, "val_loss": 9.0}, {"step": 8, "event": "time_budget"}, {"step": 10, "loss": 5.0},
-                   {"step": 10, "val_loss": losses[resolved], "val_bpb": losses[resolved] / 2}]
+                   {"step": 10, "val_loss": loss, "val_bpb": loss / 2}]
         if preset == "auto":
             records.append({"step": 10, "expected_val_loss": expected})
         (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
@@ -347,6 +355,29 @@ def test_bench_auto_fails_a_goal_it_misses(tmp_path, monkeypatch, losses, expect
     assert b.main(["--budgets", "1m", "--runs_dir", str(tmp_path)]) == 1
     assert b.neighbours("depth-1") == ["depth-2"] and b.neighbours("depth-48") == ["depth-47"]
     assert b.neighbours("mini-30m") == []
+
+
+@pytest.mark.parametrize("depth2,verdict,rc", [
+    ([3.81, 3.74, 3.86], "ties", 0),  # means 3.8033 against 3.8 (bpb half): 0.0017 apart, within 2 SE (0.035)
+    ([3.78, 3.77, 3.76], "loses", 1),  # 0.015 bpb better, beyond 2 SE (0.0082)
+    ([3.83, 3.84, 3.82], "beats", 0),  # 0.015 bpb worse; the first run 0.8% off the pick's, within NEAR
+])
+def test_bench_auto_judges_a_near_tie_over_seeds(tmp_path, monkeypatch, depth2, verdict, rc):
+    b = bench_module("bench_auto")
+    calls = []
+    losses = {"depth-2": depth2, "depth-3": [3.8, 3.81, 3.79], "depth-4": 3.95}
+    monkeypatch.setattr(b.subprocess, "run", fake_training(tmp_path, losses, 3.8, calls))
+    out = tmp_path / "auto.json"
+    assert b.main(["--budgets", "1m", "--seeds", "3", "--runs_dir", str(tmp_path), "--out", str(out)]) == rc
+    # depth-4 is 3.9% off the pick: one run; depth-2 is within 1%: it and the pick, by its name, two seeds more
+    assert calls == ["auto", "depth-4", "depth-2", "depth-3:1", "depth-3:2", "depth-2:1", "depth-2:2"]
+    r = json.loads(out.read_text())["results"][0]
+    assert r["pick"]["val_bpb_seeds"] == [1.9, 1.905, 1.895] and "val_bpb_seeds" not in r["others"][0]
+    assert [o["verdict"] for o in r["others"]] == ["beats", verdict]
+    assert r["pick_beats_all"] is (verdict == "beats") and r["pick_loses_to_none"] is (verdict != "loses")
+    calls.clear()
+    assert b.main(["--budgets", "1m", "--seeds", "3", "--runs_dir", str(tmp_path)]) == rc and calls == []
+    assert b.main(["--budgets", "1m", "--runs_dir", str(tmp_path)]) == (1 if depth2[0] < 3.8 else 0)  # one seed
 
 
 def test_bench_sharing_times_a_step_alone_and_beside_another_training_process(tmp_path):
