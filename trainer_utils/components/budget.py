@@ -2,8 +2,10 @@
 the end is projected from the measured step times (step_times: the run's, without its outlying looks, and the
 recent median; run() says which decides); when it leaves [LOW, HIGH] of the budget (the machine slowed down, or
 runs faster than the probe measured) the rest of the run is re-planned, the schedule laid over the new number of
-steps, and the change logged; the next re-plan waits SETTLE looks, unless the machine slows down. A re-plan that
-leaves no step ends the run at once, with its evaluation and checkpoint. Ranks decide from the same numbers, the
+steps, and the change logged; the next re-plan waits SETTLE looks, unless the machine slows down. Every re-plan
+moves the progress bar's end and goes into metrics.jsonl; the screen gets a line for the real ones only (shown():
+the end moved by SHOWN or more since the last line, or the run stops), so other work on the machine coming and
+going does not fill it. A re-plan that leaves no step ends the run at once, with its evaluation and checkpoint. Ranks decide from the same numbers, the
 slowest rank's. A re-plan is a new plan that records it (BudgetPlan.replanned), returned to the loop; every
 checkpoint carries the plan (loop.py Trainer.save), and a resumed Trainer starts from it.
 """
@@ -21,6 +23,14 @@ RECENT_LOOKS = 3  # ...and over at least this many looks, whose median it is: on
 SLOWER = 1.25  # a recent step time this much above the run's is a slow-down, not the data's noise
 OUTLIER = 2.0  # a look's step time over this many times the recent one is left out of the run's
 SETTLE = 3  # looks after a re-plan before the next one, unless a slow-down would overrun the budget
+SHOWN = 0.1  # a re-plan that moves the end this share of the last end shown (or more) is shown on screen
+
+
+def shown(end: int, step: int, last_shown: int) -> bool:
+    """Whether a re-plan to `end` at `step` gets a line on screen: it stops the run, or moves the end by SHOWN or
+    more from the last end the screen showed (a test suite beside a 4-minute run moved it 17 times, mostly by a
+    few steps: the progress bar and metrics.jsonl follow each)."""
+    return end <= step or abs(end - last_shown) >= SHOWN * last_shown
 
 
 class TimeBudgetGuard(Component):
@@ -28,13 +38,14 @@ class TimeBudgetGuard(Component):
         self.plan, self.clock = ctx.plan, ctx.budget_clock  # the plan the run starts with (None until one is made)
         self.marks: list[tuple[float, int]] = []  # (training seconds, step) after the first step and at each check
         self.replanned_at: int | None = None  # how many marks there were at the last re-plan
+        self.shown_end: int | None = None  # the end the screen showed last
 
     def describe(self) -> dict[str, Any]:
         return {} if self.plan is None else {PLAN_KEY: self.plan.to_dict()}
 
     def start(self, ctx: RunContext) -> None:
         self.marks.clear()
-        self.replanned_at = None
+        self.replanned_at = self.shown_end = None
 
     def after_step(self, ctx: RunContext, outcome: StepOutcome) -> None:
         self.plan = ctx.plan  # a plan made on the run's first steps arrives after them
@@ -92,12 +103,15 @@ class TimeBudgetGuard(Component):
         if end is None:
             return None
         before = plan.end
+        self.shown_end = self.shown_end or before
         why = (f"steps take {step_s:.3g} s (planned {plan.step_s:.3g} s) with {format_duration(spent)} of "
                f"{format_duration(plan.budget_s)} spent")
         ctx.logger.log({"step": step, "event": "time_budget", "planned_steps": before, "steps": end,
                         "step_time_s": round(step_s, 6), "spent_s": round(spent, 3)})
         what = (f"ending at step {end} instead of {before}, the learning-rate decay completing there" if end > step
                 else f"stopping now, at step {step} of {before}")
-        ctx.logger.message(f"time budget: {why}: {what}")
+        if shown(end, step, self.shown_end):
+            ctx.logger.message(f"time budget: {why}: {what}")
+            self.shown_end = end
         self.replanned_at = len(self.marks)
         return Report(plan=plan.replanned(step, end, step_s, spent))
