@@ -1,13 +1,13 @@
-"""The time budget's guard (--time_budget): every `check_every` steps of a planned run (trainer_utils/budget.py),
-the end is projected from the measured step times (step_times: the run's, without its outlying looks, and the
-recent median; run() says which decides); when it leaves [LOW, HIGH] of the budget (the machine slowed down, or
-runs faster than the probe measured) the rest of the run is re-planned, the schedule laid over the new number of
-steps, and the change logged; the next re-plan waits SETTLE looks, unless the machine slows down. Every re-plan
-moves the progress bar's end and goes into metrics.jsonl; the screen gets a line for the real ones only (shown():
-the end moved by SHOWN or more since the last line, or the run stops), so other work on the machine coming and
-going does not fill it. A re-plan that leaves no step ends the run at once, with its evaluation and checkpoint. Ranks decide from the same numbers, the
-slowest rank's. A re-plan is a new plan that records it (BudgetPlan.replanned), returned to the loop; every
-checkpoint carries the plan (loop.py Trainer.save), and a resumed Trainer starts from it.
+"""The time budget's guard (--time_budget): every `check_every` steps of a planned run (trainer_utils/budget.py), the
+end is projected from the measured step times (step_times: the run's, without its outlying looks, and the recent
+median; run() says which decides); when it leaves [LOW, HIGH] of the budget (the machine slowed down, or runs faster
+than the probe measured) the rest of the run is re-planned, the schedule laid over the new number of steps, and the
+change logged; the next re-plan waits SETTLE looks, unless the machine slows down. Every re-plan moves the progress
+bar's end and goes into metrics.jsonl; the screen gets a line for the real ones only (shown(): the end moved by
+SHOWN or more since the last line, or the run stops), so other work on the machine coming and going does not fill
+it. A re-plan that leaves no step ends the run at once, with its evaluation and checkpoint. Ranks decide from the
+same numbers, the slowest rank's. A re-plan is a new plan that records it (BudgetPlan.replanned), returned to the
+loop; every checkpoint carries the plan (loop.py Trainer.save), and a resumed Trainer starts from it.
 """
 from __future__ import annotations
 
