@@ -200,8 +200,11 @@ PLAN_EQUIVALENT = (
                "again and new_end == end keeps the plan (an end exactly at LOW is kept by the band's own test)"),
 )
 GUARD_EQUIVALENT = (
-    Equivalent("TimeBudgetGuard.__init__", ('self.replanned_at: int | None = ""',),
+    Equivalent("TimeBudgetGuard.__init__", ('self.replanned_at: int | None = ""', 'self.shown_end: int | None = ""'),
                "start() sets it to None before the guard's first look"),
+    Equivalent("TimeBudgetGuard.run", ("self.shown_end = None",),
+               "after a re-plan shown on screen the plan's end is the end shown, which the next re-plan takes as the "
+               "last shown when it finds None"),
     Equivalent("TimeBudgetGuard.run", ("end >= plan.end and", "end is None or end < plan.end"),
                "replanned_end returns None rather than the plan's own end: an end it returns is never equal to "
                "plan.end"),
