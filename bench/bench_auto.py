@@ -7,8 +7,9 @@ of its own, one at a time; and the loss the plan expected against the one the pi
 
 The goals (issue 51): the pick's validation bits per byte beat every other run's at its budget, and its final
 validation loss is within 3% of the one the loss model expected. One run of each is one draw: the seed (the
-initialisation and the data order) and the machine's speed from one minute to the next move a run's bits per byte
-by about a percent, and two candidates within that of each other are a near tie one run cannot settle. With
+initialisation and the data order) moved a depth's bits per byte by 0.3-0.4% between two seeds at 900 s on the
+demo corpus, and the machine's speed from one sitting to the next moves the steps a budget buys by several
+percent: two candidates within NEAR of each other are a near tie one run cannot settle. With
 --seeds N, a run within NEAR of the pick's bits per byte is trained N - 1 more times with other seeds, and so is
 the pick (by its preset's name); the two are compared by their means, and tie when the difference is within
 twice its standard error. The benchmark fails when a run beats the pick beyond that, or the prediction misses.
