@@ -118,7 +118,7 @@ def compare(budget: str, runs_dir: Path, presets: list[str], extra: list[str], s
         if preset != pick["preset"]:
             others.append(train(preset, budget, runs_dir, extra))
     near = [o for o in others if seeds > 1 and abs(o["val_bpb"] / pick["val_bpb"] - 1) <= NEAR]
-    for run in [pick] * bool(near) + near:
+    for run in [pick, *near] if near else []:
         run["val_bpb_seeds"] = seeded(run, budget, runs_dir, extra, seeds)
     for other in others:
         other["verdict"] = verdict(pick.get("val_bpb_seeds", [pick["val_bpb"]]),

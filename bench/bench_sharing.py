@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trainer_utils import WAIT_SETTINGS  # noqa: E402
+
 GOAL = 2.5  # a step beside one other training process, over its time alone
 SETTINGS = {"default": ({}, []), "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
             "spin_10k": ({"GOMP_SPINCOUNT": "10000"}, []), "spin_100k": ({"GOMP_SPINCOUNT": "100000"}, []),
@@ -57,7 +59,7 @@ def step_s(args: argparse.Namespace, setting: str, env: dict[str, str]) -> float
 
 def measure(args: argparse.Namespace, setting: str) -> dict:
     # each setting alone decides how OpenMP waits: nothing of this process's environment
-    env = {**{k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")},
+    env = {**{k: v for k, v in os.environ.items() if k not in WAIT_SETTINGS},
            **SETTINGS[setting][0]}
     alone = step_s(args, setting, env)
     other = subprocess.Popen(timed_child(args, 10**6, setting), env=env, stdout=subprocess.DEVNULL,
