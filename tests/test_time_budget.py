@@ -517,8 +517,11 @@ def test_after_a_replan_the_guard_waits_a_few_looks_before_the_next():
     """Steps at 1 s, then at 0.8 s from step 32 on. At step 41 (8 s / 10 steps) the run's time is 38 s / 40 = 0.95
     s and the recent one 1 s: at 1 s the 18 steps left end at 78 s, so it plans longer at 1 s: 37 s to 97 s, to
     step 78. At step 51 the steps left would still end early (at the run's 0.92 s: at 92.8 s), but it is one look
-    after the re-plan: it waits SETTLE looks. At step 71, the third look after it: the run's time 62 s / 70 =
-    0.886 s, the recent 0.8 s; the 7 steps left end at 90.2 s: 13 s to 97 s hold 14 steps, to step 85."""
+    after the re-plan: it waits SETTLE looks. At step 61 the last three looks (0.8 s each, since step 31) are all
+    over a tenth below the run's 54 s / 60 = 0.9 s: the machine sped up, and the run's time counts from step 31 on.
+    At step 71, the third look after the re-plan: the run's time 32 s / 40 = 0.8 s; the 7 steps left end at
+    89.6 s: 13 s to 97 s hold 16 steps, to step 87 (counted from step 1, 0.886 s: 14 steps, and the next looks
+    would lengthen it again as the slower steps weigh less)."""
     run = GuardRun(guard_plan(steps=59, limit=200))
     run.guard.marks[:] = [(2.0, 1), (12.0, 11), (22.0, 21), (32.0, 31)]
     run.look(40.0, 41, 60.0)
@@ -527,10 +530,23 @@ def test_after_a_replan_the_guard_waits_a_few_looks_before_the_next():
     run.look(56.0, 61, 76.0)
     assert run.ends == [78]
     run.look(64.0, 71, 84.0)
-    assert run.ends == [78, 85]
-    # both recorded, one shown: 59 -> 78 moves the end by 32%, 78 -> 85 by 9%, under SHOWN (the bar follows it)
-    assert [r["steps"] for r in run.records] == [78, 85]
-    assert run.messages == ["time budget: steps take 1 s (planned 1 s) with 1m 00s of 1m 40s spent: ending at step 78 "
+    assert run.ends == [78, 87]
+    assert [(r["steps"], r["step_time_s"]) for r in run.records] == [(78, 1.0), (87, 0.8)]
+
+
+def test_a_replan_that_moves_the_end_less_than_a_tenth_is_recorded_but_not_shown():
+    """Steps at 1 s, then at 0.85 s from step 32 on. At step 41 the run's time is 38.5 s / 40 = 0.9625 s, the
+    recent one 1 s: the 18 steps left end at 77.8 s, so it plans longer at 1 s: 36.5 s to 97 s, to step 77 (30%
+    from 59: shown). At step 71, the third look after it, the run's time is 64 s / 70 = 0.914 s, and the recent
+    looks of 0.85 s are not a tenth below it (no speed-up): the 6 steps left end at 91.5 s, so 11 s to 97 s hold 12
+    steps, to step 83: 7.8% from 77, recorded (the progress bar follows it) but not shown."""
+    run = GuardRun(guard_plan(steps=59, limit=200))
+    run.guard.marks[:] = [(2.0, 1), (12.0, 11), (22.0, 21), (32.0, 31)]
+    for look in (40.5, 41, 60.5), (49.0, 51, 69.0), (57.5, 61, 77.5), (66.0, 71, 86.0):
+        run.look(*look)
+    assert run.ends == [77, 83] and run.guard.since == 0
+    assert [r["steps"] for r in run.records] == [77, 83]
+    assert run.messages == ["time budget: steps take 1 s (planned 1 s) with 1m 00s of 1m 40s spent: ending at step 77 "
                             "instead of 59, the learning-rate decay completing there"]
 
 
@@ -638,6 +654,27 @@ def test_a_lasting_slow_down_is_followed_within_the_budget():
     """From step 200 on, steps take 1.5 s: the run is planned shorter, and ends within its budget."""
     ends, spent = simulate(lambda step: 1.5 if step >= 200 else 1.0)
     assert ends and ends[-1] < 562 and 0.94 <= spent <= 1.0
+
+
+@pytest.mark.parametrize("step_cost,most", [
+    (lambda step: 1.0 if step < 150 else 0.5, 4),  # other work on the machine ends (14 re-plans, 94.8%)
+    (lambda step: 2.0 if step < 100 else 1.0, 4),  # slow first steps (12 re-plans, 94.0%)
+    (lambda step: 1.0 if step < 150 else 0.8, 2)],  # (4 re-plans, 94.0%)
+    ids=["other work ends", "slow first steps", "a fifth faster"])
+def test_a_lasting_speed_up_is_planned_in_a_few_replans_not_a_few_steps_at_every_look(step_cost, most):
+    """Once every recent look is a tenth faster than the run's step time, the run's time counts from them on: the
+    run is planned longer at the new speed, rather than a few steps at each look while the slower steps before
+    weigh less and less in the run's average, each re-plan ending it near LOW of the budget (in brackets: when
+    the run's time counted every step)."""
+    ends, spent = simulate(step_cost)
+    assert 1 <= len(ends) <= most and ends[-1] == max(ends) and 0.945 <= spent <= 1.0, (ends, spent)
+
+
+def test_a_speed_up_that_ends_is_followed_by_a_shorter_plan_within_the_budget():
+    """Steps 150-229 take 0.5 s, the rest 1 s: the run is planned longer at 0.5 s, and shorter again once the steps
+    are slow again (a slow-down that would overrun), ending within its budget."""
+    ends, spent = simulate(lambda step: 0.5 if 150 <= step < 230 else 1.0)
+    assert max(ends) > 900 and ends[-1] < 700 and 0.94 <= spent <= 1.0, (ends, spent)
 
 
 def test_hangs_are_paid_one_replan_each_and_never_stop_the_run():

@@ -1,13 +1,14 @@
 """The time budget's guard (--time_budget): every `check_every` steps of a planned run (trainer_utils/budget.py), the
-end is projected from the measured step times (step_times: the run's, without its outlying looks, and the recent
-median; run() says which decides); when it leaves [LOW, HIGH] of the budget (the machine slowed down, or runs faster
-than the probe measured) the rest of the run is re-planned, the schedule laid over the new number of steps, and the
-change logged; the next re-plan waits SETTLE looks, unless the machine slows down. Every re-plan moves the progress
-bar's end and goes into metrics.jsonl; the screen gets a line for the real ones only (shown(): the end moved by
-SHOWN or more since the last line, or the run stops), so other work on the machine coming and going does not fill
-it. A re-plan that leaves no step ends the run at once, with its evaluation and checkpoint. Ranks decide from the
-same numbers, the slowest rank's. A re-plan is a new plan that records it (BudgetPlan.replanned), returned to the
-loop; every checkpoint carries the plan (loop.py Trainer.save), and a resumed Trainer starts from it.
+end is projected from the measured step times (step_times: the run's, without its outlying looks and from a lasting
+speed-up on, and the recent median; run() says which decides); when it leaves [LOW, HIGH] of the budget (the
+machine slowed down, or runs faster than the probe measured) the rest of the run is re-planned, the schedule laid
+over the new number of steps, and the change logged; the next re-plan waits SETTLE looks, unless the machine slows
+down. Every re-plan moves the progress bar's end and goes into metrics.jsonl; the screen gets a line for the real
+ones only (shown(): the end moved by SHOWN or more since the last line, or the run stops), so other work on the
+machine coming and going does not fill it. A re-plan that leaves no step ends the run at once, with its evaluation
+and checkpoint. Ranks decide from the same numbers, the slowest rank's. A re-plan is a new plan that records it
+(BudgetPlan.replanned), returned to the loop; every checkpoint carries the plan (loop.py Trainer.save), and a
+resumed Trainer starts from it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .base import Component
 WINDOW_SHARE = 0.05  # the recent step time is measured over about this share of the budget...
 RECENT_LOOKS = 3  # ...and over at least this many looks, whose median it is: one slow stretch is not a trend
 SLOWER = 1.25  # a recent step time this much above the run's is a slow-down, not the data's noise
+FASTER = 1.1  # every recent look this much below the run's step time is a lasting speed-up
 OUTLIER = 2.0  # a look's step time over this many times the recent one is left out of the run's
 SETTLE = 3  # looks after a re-plan before the next one, unless a slow-down would overrun the budget
 SHOWN = 0.1  # a re-plan that moves the end this share of the last end shown (or more) is shown on screen
@@ -38,6 +40,7 @@ class TimeBudgetGuard(Component):
         self.plan, self.clock = ctx.plan, ctx.budget_clock  # the plan the run starts with (None until one is made)
         self.marks: list[tuple[float, int]] = []  # (training seconds, step) after the first step and at each check
         self.replanned_at: int | None = None  # how many marks there were at the last re-plan
+        self.since = 0  # the mark the run's step time counts from: the first, or where a lasting speed-up began
         self.shown_end: int | None = None  # the end the screen showed last
 
     def describe(self) -> dict[str, Any]:
@@ -46,6 +49,7 @@ class TimeBudgetGuard(Component):
     def start(self, ctx: RunContext) -> None:
         self.marks.clear()
         self.replanned_at = self.shown_end = None
+        self.since = 0
 
     def after_step(self, ctx: RunContext, outcome: StepOutcome) -> None:
         self.plan = ctx.plan  # a plan made on the run's first steps arrives after them
@@ -62,14 +66,23 @@ class TimeBudgetGuard(Component):
         least `window` seconds back, RECENT_LOOKS of them at least: a single slow look is left out, a slow-down
         that lasts over half of them is not. The run's is its time over its steps, without the looks whose steps
         took over OUTLIER times the recent one (a hang, a burst of other work on the machine: paid once, in the
-        time spent, and not expected again)."""
+        time spent, and not expected again), and from the mark `since` on: when every recent look was FASTER than
+        the run's time, the machine sped up (other work ended, the first steps were slow), and the steps before
+        would slow the run's time down for the rest of the run, lengthening it a few steps at every look."""
         looks = [(t1 - t0, s1 - s0) for (t0, s0), (t1, s1) in zip(self.marks, self.marks[1:])]
         per_step = [seconds / steps for seconds, steps in looks]
         now = self.marks[-1][0]
         first = max((i for i, (t, _) in enumerate(self.marks) if now - t >= window), default=0)
-        recent_s = statistics.median(per_step[max(0, min(first, len(looks) - RECENT_LOOKS)):])
-        kept = [(seconds, steps) for seconds, steps in looks if seconds / steps <= OUTLIER * recent_s]
-        return sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept), recent_s
+        first = max(0, min(first, len(looks) - RECENT_LOOKS))
+        recent_s = statistics.median(per_step[first:])
+
+        def run_s() -> float:
+            kept = [(seconds, steps) for seconds, steps in looks[self.since:] if seconds / steps <= OUTLIER * recent_s]
+            return sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept)
+
+        if first > self.since and now - self.marks[first][0] >= window and max(per_step[first:]) * FASTER < run_s():
+            self.since = first
+        return run_s(), recent_s
 
     def run(self, ctx: RunContext) -> Report | None:
         """Two step times (step_times): the run's, which keeps the run within [LOW, HIGH] (a chat batch's step
