@@ -390,8 +390,8 @@ def faults_of_a_buffer() -> int:  # a step's large buffer: allocated, written, f
     del x
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-faults = [faults_of_a_buffer() for _ in range(8)]  # the first ones grow the heap to hold it (the first steps)
-print(applied, min(faults[2:]), sorted(faults)[4])
+faults = [faults_of_a_buffer() for _ in range(16)]  # the first ones grow the heap to hold it (the first steps)
+print(applied, min(faults[2:]), max(faults[-4:]))
 """
 
 
@@ -399,21 +399,26 @@ print(applied, min(faults[2:]), sorted(faults)[4])
 def test_the_tuned_allocator_reuses_a_freed_buffer_without_faulting_its_pages_again():
     """The kernel's count of page faults: glibc by default returns a freed 64 MiB buffer to the system, so every next
     one faults its 16,384 pages in again; after tune_allocator() (what every training run does first), once the
-    heap has grown to hold it, it comes back from the heap. An allocator the environment chose is left alone."""
+    heap has grown to hold it, it comes back from the heap. An allocator the environment chose is left alone.
+
+    The heap takes a few buffers to get there: torch asks for 64-byte aligned memory, for which glibc asks itself
+    for a little more (room to align) and gives the excess back, so when a small block still in use lies after a
+    freed buffer, its block is a little too small for the next request of the same size: that one goes on top of
+    the heap, until freed blocks lie side by side and merge (with ctypes, a 64 MiB malloc reused its freed block at
+    once, posix_memalign faulted 5 to 9 more times). In 20 processes the last buffer that faulted was at most the
+    6th; a loop of 24 grew the heap to 467 MiB and no further."""
     def probe(mode: str, **env: str) -> tuple[str, int, int]:
-        """Whether it applied; the fewest page faults of a buffer after the first two, and their median."""
+        """Whether it applied; the fewest page faults of a buffer after the first two, and the most of the last 4."""
         done = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode], capture_output=True, text=True, check=True,
                               cwd=ROOT, env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
                                              **env})
-        applied, fewest, median = done.stdout.split()
-        return applied, int(fewest), int(median)
+        applied, fewest, last = done.stdout.split()
+        return applied, int(fewest), int(last)
 
-    applied, fewest, median = probe("default")
+    applied, fewest, _ = probe("default")
     assert fewest >= 16384 * 0.9  # every one of them faulted
-    # In about 1 process of 12 here every buffer still faults after tuning (the heap cannot grow where this
-    # process's address layout put it): the property is asked of the best of three processes
-    tuned = [probe("tuned") for _ in range(3)]
-    assert all(applied == "True" for applied, _, _ in tuned) and min(fewest for _, fewest, _ in tuned) < 100
+    applied, _, last = probe("tuned")
+    assert applied == "True" and last < 100  # the last buffers came from the heap
     assert probe("tuned", MALLOC_ARENA_MAX="2")[0] == "False"
 
 
