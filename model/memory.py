@@ -275,19 +275,26 @@ def parameter_tensors(cfg: ModelConfig) -> int:
             + (not cfg.tie_word_embeddings))
 
 
-def muon_matrices(cfg: ModelConfig) -> tuple[int, int]:
-    """(parameters, tensors) of the hidden matrices --optimizer muon orthogonalises: each block's attention
-    projections and its dense MLP (a mixture of experts: the shared experts' MLP; routers and the 3-D expert
-    stacks stay on AdamW, see trainer_utils/optim.is_hidden_matrix)."""
+def hidden_matrix_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The (out, in) shapes of the hidden matrices --optimizer muon orthogonalises (trainer_utils/optim.py
+    is_hidden_matrix), in closed form: each block's attention projections (q, k, v, o) and its dense MLP (a mixture
+    of experts: the shared experts' MLP, one of num_shared_experts x moe_intermediate_size; routers and the 3-D
+    expert stacks stay on AdamW). Building even a meta-device model to read them takes ~0.1 s a config, which a
+    plan over 48 depths paid on every run."""
     d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-    attention = 2 * d * d + 2 * d * kv
     if cfg.moe:
-        linears = 3 if cfg.num_shared_experts else 0
-        mlp = 3 * d * cfg.moe_intermediate_size * cfg.num_shared_experts
+        f = cfg.moe_intermediate_size * cfg.num_shared_experts
+        mlp = [(f, d), (f, d), (d, f)] if f else []
     else:
-        linears = 3 if cfg.mlp == "swiglu" else 2
-        mlp = linears * d * cfg.intermediate_size
-    return cfg.num_hidden_layers * (attention + mlp), cfg.num_hidden_layers * (4 + linears)
+        f = cfg.intermediate_size
+        mlp = [(f, d), (f, d), (d, f)] if cfg.mlp == "swiglu" else [(f, d), (d, f)]
+    return [(d, d), (kv, d), (kv, d), (d, d), *mlp] * cfg.num_hidden_layers
+
+
+def muon_matrices(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters, tensors) of the hidden matrices (hidden_matrix_shapes)."""
+    shapes = hidden_matrix_shapes(cfg)
+    return sum(m * n for m, n in shapes), len(shapes)
 
 
 class MoEBlock(NamedTuple):

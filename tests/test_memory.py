@@ -25,10 +25,11 @@ import train_pretrain
 from common.device import capabilities
 from model import ModelConfig, PocketLM, get_preset
 from model.__main__ import StepOptions, main, model_config
-from model.config import ConfigError, config_from_flags, preset_table
+from model.config import PRESETS, ConfigError, config_from_flags, preset_table
 from model.memory import (
     estimate_memory,
     fmt,
+    hidden_matrix_shapes,
     live_tensor_bytes,
     measure_step_peak,
     measured_peak,
@@ -37,7 +38,7 @@ from model.memory import (
 from trainer_utils.backend import Comm, TorchBackend
 from trainer_utils.config import ModelOptions
 from trainer_utils.objectives import LanguageModeling
-from trainer_utils.optim import build_optimizer
+from trainer_utils.optim import build_optimizer, is_hidden_matrix
 from trainer_utils.routing import RouterBalance
 from trainer_utils.runtime import Precision
 from trainer_utils.step import Step
@@ -118,6 +119,18 @@ def test_parameters_buffers_gradients_and_adamw_state_are_exact(style, overrides
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     assert len(state) == 3 * len(params)  # exp_avg, exp_avg_sq, step
     assert est.optimizer == sum(v.numel() * v.element_size() for v in state)
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, "depth-1", "depth-3", "depth-12"])
+def test_the_hidden_matrices_in_closed_form_are_the_models(preset):
+    """What Muon orthogonalises (trainer_utils/optim.py is_hidden_matrix on the built model, on the meta device),
+    shape by shape, against hidden_matrix_shapes (what the planner's Newton-Schulz FLOPs and the memory estimate
+    read): every preset, MoE and GPT-2 among them, and depths of the family."""
+    cfg = get_preset(preset)
+    with torch.device("meta"):
+        model = PocketLM(cfg)
+    shapes = [tuple(p.shape) for name, p in model.named_parameters() if is_hidden_matrix(name, p)]
+    assert sorted(hidden_matrix_shapes(cfg)) == sorted(shapes)
 
 
 @pytest.mark.parametrize("style,overrides", [("llama", {}), ("gpt2", {}), ("llama", dict(tie_word_embeddings=False)),

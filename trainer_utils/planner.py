@@ -33,7 +33,7 @@ from common.errors import ConfigError, DataError
 from dataset.config import parse_source
 from model import PocketLM
 from model.config import DEPTH_PREFIX, MAX_DEPTH, get_preset
-from model.memory import estimate_memory
+from model.memory import estimate_memory, hidden_matrix_shapes
 
 from .backend import Comm, TorchBackend
 from .budget import format_duration
@@ -43,7 +43,7 @@ from .distributed import detect_env
 from .loss_model import FIT_DATA, FIT_RESULTS, FIT_SIZES, RECIPE, SHIPPED, LossModel
 from .metrics import flops_per_token
 from .objectives import LanguageModeling
-from .optim import is_hidden_matrix, optimizer_for
+from .optim import optimizer_for
 from .routing import RouterBalance
 from .runtime import Precision, tune_allocator
 from .step import Step
@@ -206,14 +206,7 @@ def pretraining_step(cfg, device: torch.device, precision: Precision, batch: int
 def newton_schulz_flops(cfg, steps: int = NEWTON_SCHULZ_STEPS) -> float:
     """FLOPs of one Muon update's Newton-Schulz iterations (`steps` per matrix, each 4 m^2 n + 2 m^3 for an
     m x n matrix with m <= n) over the matrices Muon takes: what an update costs beyond AdamW's few per weight."""
-    with torch.device("meta"):
-        model = PocketLM(cfg)
-    total = 0.0
-    for name, p in model.named_parameters():
-        if is_hidden_matrix(name, p):
-            m, n = sorted(p.shape)
-            total += steps * (4 * m * m * n + 2 * m ** 3)
-    return total
+    return sum(steps * (4 * m * m * n + 2 * m ** 3) for m, n in map(sorted, hidden_matrix_shapes(cfg)))
 
 
 @dataclass
