@@ -87,6 +87,10 @@ def test_auto_sets_the_pick_and_a_name_resume_finds(monkeypatch, tmp_path, capsy
     named = auto_config(tmp_path, "--run_name", "mine")
     resolve_auto(named, "pretrain", 0.0)
     assert named.run.run_name == "mine"
+    # a short budget times each candidate for a share of it: 0.5% of the 72 s left (at 558 s, the 1-s cap above)
+    short = auto_config(tmp_path, "--time_budget", "80s")
+    resolve_auto(short, "pretrain", 8.0)
+    assert asked[-1][0] == 72.0 and asked[-1][3]["min_seconds"] == pytest.approx(0.36)
 
 
 def test_a_resumed_auto_run_keeps_its_model_and_plans_nothing(monkeypatch, tmp_path):

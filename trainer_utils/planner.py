@@ -57,7 +57,8 @@ BATCHES = tuple(b for b in (16, 8, 4, 2, 1) if b <= RECIPE["batch_size"])  # the
 # that would read fewer in the budget lies where the model's size term promises what no run showed (a large model
 # on a few epochs of a small corpus), so it is not picked
 MIN_TOKENS_PER_PARAMETER = 0.04
-AUTO_MIN_SECONDS = 1.0  # of timed steps per candidate when a run plans itself (its budget pays for them)
+AUTO_MIN_SECONDS = 1.0  # of timed steps per candidate when a run plans itself (its budget pays for them)...
+AUTO_TIMING_SHARE = 0.005  # ...or this share of a short budget (72 s: 0.36 s a candidate; two steps at least)
 MAX_ROUNDS = 12  # of timing the best expected candidate and its neighbours (each round times at most three)
 SAMPLE_BYTES = 2 << 20  # of --data_path read to estimate its tokens
 VOCAB_SIZE = 6400  # the shipped tokenizer's, which the trainers give a new model
@@ -446,7 +447,8 @@ def resolve_auto(config: TrainConfig, stage_name: str, spent_s: float) -> None:
         raise ConfigError(f"--time_budget {config.optim.time_budget}: setting up took {format_duration(spent_s)}, the "
                           "whole budget, before the plan; give a longer one")
     rows, best, reason, header = plan(budget_s, config.precision.device, config.data.data_path, seq_len=m.max_seq_len,
-                                      min_seconds=AUTO_MIN_SECONDS, dtype=config.precision.dtype,
+                                      min_seconds=min(AUTO_MIN_SECONDS, AUTO_TIMING_SHARE * budget_s),
+                                      dtype=config.precision.dtype,
                                       tokenizer_dir=config.data.tokenizer)
     if best is None:
         raise ConfigError(f"--preset auto: {reason}")
