@@ -80,7 +80,7 @@ class TimeBudgetGuard(Component):
             kept = [(seconds, steps) for seconds, steps in looks[self.since:] if seconds / steps <= OUTLIER * recent_s]
             return sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept)
 
-        if first > self.since and now - self.marks[first][0] >= window and max(per_step[first:]) * FASTER < run_s():
+        if first > self.since and max(per_step[first:]) * FASTER < run_s():  # (first > 0: a whole window back)
             self.since = first
         return run_s(), recent_s
 
