@@ -80,9 +80,11 @@ class TimeBudgetGuard(Component):
             kept = [(seconds, steps) for seconds, steps in looks[self.since:] if seconds / steps <= OUTLIER * recent_s]
             return sum(seconds for seconds, _ in kept) / sum(steps for _, steps in kept)
 
-        if first > self.since and max(per_step[first:]) * FASTER < run_s():  # (first > 0: a whole window back)
+        steady_s = run_s()
+        if first > self.since and max(per_step[first:]) * FASTER < steady_s:  # (first > 0: a whole window back)
             self.since = first
-        return run_s(), recent_s
+            steady_s = run_s()
+        return steady_s, recent_s
 
     def run(self, ctx: RunContext) -> Report | None:
         """Two step times (step_times): the run's, which keeps the run within [LOW, HIGH] (a chat batch's step
