@@ -9,18 +9,19 @@
         --out /tmp/check.json                                      # runs tested against the shipped fit
 
 Every run is a model of the depth family (`--preset depth-N`, model/config.py: 64 x depth wide, heads of 64, two
-key-value heads where the heads divide by two, QK-norm, context 256) trained with the demo recipe's settings
-(Muon at learning rate 4e-3, 20 warm-up steps, 16 sequences a step) for a given number of steps, its schedule
-completed there, in a process of its own (train_pretrain.py), evaluated --evals times on its way (its curve). A
-run's point is (non-embedding parameters, tokens trained on, final validation loss); the fit, its constants and
-each point's relative error are written to --out, with the progress table of the curves of the runs of at least
---progress_steps steps (where a run's validation loss is at each tenth of its steps, against the model: what the
-on-track check expects). --more runs (DEPTH:STEPS) are fitted beside the grid of --depths x --steps. --model
-tests the runs against a recorded fit instead of fitting them. --holdout runs are trained the same way but left
-out of the fit: their predicted and actual losses test it beyond the sizes and lengths it saw. A run already
-done (its metrics.jsonl in --runs_dir has its last step) is read, not trained again, so an interrupted fit
-continues where it stopped. The losses do not depend on the machine (fp32, one process); the time each run took
-does, and is recorded with the machine.
+key-value heads where the heads divide by two, QK-norm, context 256) trained with the recipe's settings
+(loss_model.RECIPE: Muon's matrices at learning rate 4e-3, the embedding and norms at 8e-3, 20 warm-up steps, 16
+sequences a step) for a given number of steps, its schedule completed there, in a process of its own
+(train_pretrain.py), evaluated --evals times on its way (its curve). A run's point is (non-embedding parameters,
+tokens trained on, final validation loss); the fit, its constants and each point's relative error are written to
+--out, with the progress table of the curves of the runs of at least --progress_steps steps (where a run's
+validation loss is at each tenth of its steps, against the model: what the on-track check expects). --more runs
+(DEPTH:STEPS) are fitted beside the grid of --depths x --steps. --model tests the runs against a recorded fit
+instead of fitting them. --holdout runs are trained the same way but left out of the fit: their predicted and actual
+losses test it beyond the sizes and lengths it saw. A run already done (its metrics.jsonl in --runs_dir has its last
+step) is read, not trained again, so an interrupted fit continues where it stopped (unless it was trained with other
+settings than the recipe's: then it is trained again). The losses do not depend on the machine (fp32, one process);
+the time each run took does, and is recorded with the machine.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.device import cpu_model  # noqa: E402
 from model.config import DEPTH_PREFIX, get_preset  # noqa: E402
-from trainer_utils.loss_model import FIT_CONTEXT, FIT_DATA, RECIPE, LossModel, fit  # noqa: E402
+from trainer_utils.loss_model import FIT_CONTEXT, FIT_DATA, RECIPE, LossModel, fit, recipe_flags  # noqa: E402
 
 DATA = ROOT / FIT_DATA
 SHARES = tuple(k / 10 for k in range(1, 11))  # of a run's steps, where its curve is read for the progress table
@@ -51,11 +52,21 @@ def family_config(depth: int):
     return get_preset(f"{DEPTH_PREFIX}{depth}", vocab_size=6400)
 
 
+def trained_with_recipe(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` was trained with the recipe as it is now (a run of an earlier recipe is
+    trained again, not fitted)."""
+    try:
+        optim = json.loads((run_dir / "train_config.json").read_text())["optim"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return all(optim.get(key) == value for key, value in RECIPE.items())
+
+
 def last_record(run_dir: Path, steps: int) -> dict | None:
     """The final evaluation and the last log record of a finished run, merged, with its "curve": the validation
     loss at every evaluation, [step, loss] (None: not finished)."""
     path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    if not path.is_file() or not trained_with_recipe(run_dir):
         return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     final = [r for r in records if r.get("step") == steps]
@@ -73,8 +84,7 @@ def train(depth: int, steps: int, runs_dir: Path, dtype: str, evals: int) -> tup
         return record, None
     argv = [sys.executable, str(ROOT / "train_pretrain.py"), "--data_path", str(DATA),
             "--preset", f"{DEPTH_PREFIX}{depth}", "--dtype", dtype,
-            "--learning_rate", str(RECIPE["learning_rate"]), "--warmup_steps", str(RECIPE["warmup_steps"]),
-            "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps),
+            *" ".join(recipe_flags()).split(), "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps),
             "--eval_interval", str(max(1, steps // evals)),
             "--log_interval", str(steps), "--no-checkpoints", "--sample_prompts", "none", "--probes", "none",
             "--out_dir", str(runs_dir), "--run_name", name, "--overwrite"]

@@ -27,12 +27,18 @@ def auto_config(tmp_path, *extra):
 
 def test_auto_defaults_to_the_loss_model_s_recipe_and_four_epochs(tmp_path):
     o = auto_config(tmp_path).optim
-    assert (o.batch_size, o.learning_rate, o.warmup_steps, o.epochs) == (16, 4e-3, 20, 4) == (
-        RECIPE["batch_size"], RECIPE["learning_rate"], RECIPE["warmup_steps"], planner.MAX_EPOCHS)
+    assert (o.batch_size, o.learning_rate, o.muon_lr, o.warmup_steps, o.epochs) == (16, 8e-3, 4e-3, 20, 4) == (
+        RECIPE["batch_size"], RECIPE["learning_rate"], RECIPE["muon_lr"], RECIPE["warmup_steps"], planner.MAX_EPOCHS)
     o = auto_config(tmp_path, "--learning_rate", "1e-3", "--batch_size", "8", "--epochs", "2").optim
-    assert (o.batch_size, o.learning_rate, o.warmup_steps, o.epochs) == (8, 1e-3, 20, 2)  # given flags win
+    assert (o.batch_size, o.learning_rate, o.muon_lr, o.warmup_steps, o.epochs) == (8, 1e-3, None, 20, 2)  # given
+    # flags win; Muon's rate is then the one given (its flag's default), unless given too
+    o = auto_config(tmp_path, "--learning_rate", "1e-3", "--muon_lr", "2e-3").optim
+    assert (o.learning_rate, o.muon_lr) == (1e-3, 2e-3)
     o = parse_train_config("pretrain", ["--preset", "depth-3"], None).optim  # a named preset: the stage's defaults
-    assert (o.batch_size, o.learning_rate, o.warmup_steps, o.epochs) == (32, 5e-4, None, 1)
+    assert (o.batch_size, o.learning_rate, o.muon_lr, o.warmup_steps, o.epochs) == (32, 5e-4, None, None, 1)
+    for other in (["--optimizer", "adamw"], ["--optimizer", "sgd"]):  # no Muon: one rate for all, no refusal
+        o = auto_config(tmp_path, *other).optim
+        assert (o.optimizer, o.learning_rate, o.muon_lr) == (other[1], 8e-3, None)
 
 
 @pytest.mark.parametrize("script,argv,message", [
@@ -141,7 +147,8 @@ def test_an_auto_run_trains_the_pick_within_its_budget(corpus, tmp_path, capsys,
     saved = json.loads((run_dir / "train_config.json").read_text())
     chosen = saved["model"]["preset"]
     assert chosen.startswith("depth-") and f"--preset auto: {chosen}: the lowest expected validation loss" in err
-    assert saved["optim"]["batch_size"] == 16 and saved["optim"]["learning_rate"] == 4e-3
+    assert saved["optim"]["batch_size"] == 16 and saved["optim"]["learning_rate"] == 8e-3
+    assert saved["optim"]["muon_lr"] is None  # the tests' AdamW: one rate
     assert any("val_loss" in r for r in strict_records(run_dir))
     assert train_pretrain.main([*base, "--preset", "auto", "--time_budget", "30s", "--max_seq_len", "32",
                                 "--resume"]) == 0  # resumed: its own model, the plan it recorded

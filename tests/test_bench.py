@@ -410,3 +410,22 @@ def test_the_progress_table_is_each_shares_median_ratio_with_the_spread_and_erro
     assert table["ratios"][0] == pytest.approx(1.03) and table["ratios"][-1] == pytest.approx(1.02)
     assert table["tolerances"][-1] == pytest.approx(0.02 / 1.02 + 0.01 + fit.ELSEWHERE, abs=1e-3)
     assert fit.progress(runs[:1], model, 0.01, 0) is None  # one run: no share has two points
+
+
+def test_the_fit_reads_a_finished_run_only_if_it_was_trained_with_the_recipe(tmp_path):
+    """A run of an earlier recipe (another learning rate) is trained again, not fitted: its loss answers another
+    question."""
+    fit = bench_module("fit_loss_model")
+    run = tmp_path / "depth2-steps8"
+    run.mkdir()
+    write_jsonl(run / "metrics.jsonl", [{"step": 4, "val_loss": 5.0}, {"step": 8, "loss": 4.6, "tokens_seen": 32768},
+                                        {"step": 8, "val_loss": 4.5}])
+    assert fit.last_record(run, 8) is None  # no train_config.json: its settings are unknown
+    optim = {"learning_rate": 8e-3, "muon_lr": 4e-3, "warmup_steps": 20, "batch_size": 16, "epochs": 1}
+    (run / "train_config.json").write_text(json.dumps({"optim": optim}))
+    assert fit.last_record(run, 8) == {"step": 8, "loss": 4.6, "tokens_seen": 32768, "val_loss": 4.5,
+                                       "curve": [[4, 5.0], [8, 4.5]]}
+    assert fit.last_record(run, 16) is None  # not finished
+    for key, other in (("learning_rate", 4e-3), ("muon_lr", None), ("warmup_steps", 10), ("batch_size", 8)):
+        (run / "train_config.json").write_text(json.dumps({"optim": {**optim, key: other}}))
+        assert fit.last_record(run, 8) is None, key

@@ -27,6 +27,7 @@ from trainer_utils.budget import TARGET, BudgetPlan, Costs, count_due, make_plan
 from trainer_utils.checkpoint import latest_checkpoint
 from trainer_utils.components.budget import TimeBudgetGuard, shown
 from trainer_utils.components.evaluation import Evaluation
+from trainer_utils.loss_model import RECIPE
 from trainer_utils.optim import WarmupCosine
 from trainer_utils.session import Session
 from trainer_utils.stages import parse_train_config
@@ -604,6 +605,9 @@ def test_the_demo_gives_each_stage_a_share_of_the_time_left():
                                              *d.stage_flags("pretrain", 0.0, 600.0, 60.0, None)[0].split()], None)
     assert config.optim.time_budget.endswith("s") and config.optim.max_steps == d.MAX_STEPS["pretrain"]
     assert config.model.preset == "auto"
+    # with the settings the loss model was fitted with, so its expected losses and the plan's pick hold for the demo
+    assert {key: getattr(config.optim, key) for key in RECIPE} == RECIPE == {
+        "learning_rate": 8e-3, "muon_lr": 4e-3, "warmup_steps": 20, "batch_size": 16}
     fixed = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/demo-pretrain.yaml"),
                                             *d.stage_flags("pretrain", 0.0, 600.0, 60.0, 450)[0].split()], None)
     assert fixed.model.preset == "depth-4" and fixed.optim.time_budget is None  # fixed steps: the recipe's model

@@ -23,8 +23,11 @@ import torch
 
 HUBER_DELTA = 1e-3
 # What the shipped loss model was fitted on (bench/fit_loss_model.py): every run a model of the depth family
-# (--preset depth-N) trained on the bundled corpus with these settings, its schedule completed at its last step
-RECIPE = {"learning_rate": 4e-3, "warmup_steps": 20, "batch_size": 16}
+# (--preset depth-N) trained on the bundled corpus with these settings, its schedule completed at its last step.
+# Two peak rates: Muon's for the hidden matrices, and twice that for what AdamW trains (the embedding and the norms:
+# in a small model the embedding is most of its parameters, and it learns faster at the higher rate; dev/LOG.md)
+RECIPE = {"learning_rate": 8e-3, "muon_lr": 4e-3, "warmup_steps": 20, "batch_size": 16}
+SCHEDULE = ("learning_rate", "muon_lr", "warmup_steps")  # the recipe's schedule: the batch is the plan's to choose
 FIT_DATA = "dataset/demo/pretrain_demo.jsonl"
 FIT_CONTEXT = 256  # tokens a sequence: the depth family's context
 FIT_RESULTS = "bench/results/loss-model-demo.json"  # the fit: its runs, constants and residuals
@@ -34,6 +37,11 @@ GRID = {"log_a": (0.0, 5.0, 10.0, 15.0, 20.0), "alpha": (0.1, 0.3, 0.5, 0.8, 1.2
         "log_b": (0.0, 5.0, 10.0, 15.0, 20.0), "beta": (0.1, 0.3, 0.5, 0.8, 1.2),
         "log_e": (-1.0, 0.0, 0.5, 1.0, 1.5)}
 POLISHED = 8  # the best grid points L-BFGS starts from
+
+
+def recipe_flags() -> list[str]:
+    """The recipe's schedule as train_pretrain.py's flags ("--learning_rate 0.008", ...)."""
+    return [f"--{key} {RECIPE[key]:g}" for key in SCHEDULE]
 
 
 @dataclass(frozen=True)

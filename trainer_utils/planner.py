@@ -40,7 +40,7 @@ from .budget import format_duration
 from .checkpoint import latest_checkpoint
 from .config import AUTO_PRESET, OptimConfig, TrainConfig
 from .distributed import detect_env
-from .loss_model import FIT_DATA, FIT_RESULTS, FIT_SIZES, RECIPE, SHIPPED, LossModel
+from .loss_model import FIT_DATA, FIT_RESULTS, FIT_SIZES, RECIPE, SHIPPED, LossModel, recipe_flags
 from .metrics import flops_per_token
 from .objectives import LanguageModeling
 from .optim import optimizer_for
@@ -355,8 +355,7 @@ def command(best: PresetRow, budget: str, data_path: str | None) -> str:
     rate)."""
     epochs = max(1, min(MAX_EPOCHS, math.ceil(best.epochs))) if best.epochs else None
     parts = ["python train_pretrain.py", f"--preset {best.name}", f"--data_path {data_path or 'YOUR.jsonl'}",
-             f"--time_budget {budget}", f"--batch_size {best.batch_size}",
-             f"--learning_rate {RECIPE['learning_rate']:g}", f"--warmup_steps {RECIPE['warmup_steps']}"]
+             f"--time_budget {budget}", f"--batch_size {best.batch_size}", *recipe_flags()]
     if epochs and epochs > 1:
         parts.append(f"--epochs {epochs}")  # --epochs bounds a budget run: let it use the time
     if not get_preset(best.name).qk_norm:
@@ -399,7 +398,7 @@ def table(rows: list[PresetRow], best: PresetRow | None) -> str:
 
 FOOTER = (f"tokens/s: measured by timing training steps here (est.: from the FLOP rate of the nearest measured); "
           f"expected loss: the final validation loss the loss model predicts, fitted on {FIT_DATA} with "
-          f"--learning_rate {RECIPE['learning_rate']:g} --warmup_steps {RECIPE['warmup_steps']} ({FIT_RESULTS}; other "
+          f"{' '.join(recipe_flags())} ({FIT_RESULTS}; other "
           "text has a level of its own, and the pick still weighs size against tokens); peak memory: "
           "model/memory.py's estimate (est.), measured on CUDA")
 

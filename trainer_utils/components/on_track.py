@@ -19,7 +19,7 @@ from typing import Any
 from common.files import DEFAULT_TOKENIZER_DIR, PROJECT_ROOT
 
 from ..context import RunContext, every
-from ..loss_model import FIT_CONTEXT, FIT_DATA, PROGRESS, RECIPE, SHIPPED
+from ..loss_model import FIT_CONTEXT, FIT_DATA, PROGRESS, SHIPPED, recipe_flags
 from .base import Component
 
 DIVERGING = 1.05  # a validation loss this much above the best one so far: the run is going the wrong way
@@ -127,5 +127,4 @@ class OnTrack(Component):
         if off > tolerance:
             self.flag(ctx, "behind", f"the validation loss is {val_loss:.4f} at step {step}, {off:.0%} above the "
                       f"{loss:.4f} the loss model expects here (its runs spread ±{tolerance:.0%}): check the learning "
-                      f"rate (its runs: --learning_rate {RECIPE['learning_rate']:g} --warmup_steps "
-                      f"{RECIPE['warmup_steps']}), the data and --dtype")
+                      f"rate (its runs: {' '.join(recipe_flags())}), the data and --dtype")

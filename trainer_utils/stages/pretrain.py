@@ -28,7 +28,14 @@ class Pretrain(Stage):
     def defaults_for(self, given: dict[str, Any]) -> dict[str, Any]:
         if given.get("init_from"):
             return {**self.defaults, **self.continued}
-        return {**self.defaults, **self.auto} if given.get("preset") == AUTO_PRESET else self.defaults
+        if given.get("preset") != AUTO_PRESET:
+            return self.defaults
+        auto = {**self.defaults, **self.auto}
+        no_muon = given.get("optimizer", "auto") not in ("auto", "muon") or given.get("deepspeed")
+        if no_muon or ("learning_rate" in given and "muon_lr" not in given):
+            # no Muon to give a rate of its own, or a rate of the user's: Muon's is --learning_rate, as documented
+            del auto["muon_lr"]
+        return auto
 
     def data_kind(self, data: DataConfig) -> DataKind:
         return TEXT
