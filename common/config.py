@@ -22,7 +22,7 @@ import operator
 import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, TypeVar
 
 from .errors import ConfigError
 
@@ -276,14 +276,19 @@ def read_config_file(config_cls: type, path: str | Path, scope: Scope | None = N
     return flat
 
 
-def build_config(config_cls: type[C], values: dict[str, Any], defaults: dict[str, Any] | None = None) -> C:
-    """The config from explicit values over the entry point's defaults over the dataclass defaults, checked."""
+def build_config(config_cls: type[C], values: dict[str, Any], defaults: dict[str, Any] | None = None,
+                 typed: Iterable[str] = ()) -> C:
+    """The config from explicit values over the entry point's defaults over the dataclass defaults, checked.
+    `typed` names the settings given on the command line (`config.typed`, for its check): a recipe file may set
+    what the command line then makes moot (a Muon setting under --optimizer adamw), where a typed flag is a
+    mistake."""
     defaults = defaults or {}
     groups: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(config_cls)}
     for s in settings(config_cls).values():
         groups[s.group][s.name] = values[s.name] if s.name in values else _default(s, defaults)
     hints = typing.get_type_hints(config_cls)
     config = config_cls(**{g: hints[g](**kw) for g, kw in groups.items()})
+    config.typed = frozenset(typed)  # type: ignore[attr-defined]
     check_bounds(config)
     check = getattr(config, "check", None)
     if check is not None:
@@ -324,7 +329,7 @@ def parse_config(config_cls: type[C], argv: Sequence[str] | None = None, descrip
     path = given.pop("config", None)
     values = read_config_file(config_cls, path, scope) if path else {}
     values.update(given)
-    return build_config(config_cls, values, resolve(values))
+    return build_config(config_cls, values, resolve(values), typed=given)
 
 
 def to_dict(config: Any, scope: Scope | None = None) -> dict[str, dict[str, Any]]:

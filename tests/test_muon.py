@@ -336,3 +336,17 @@ def test_resuming_with_another_optimizer_names_the_one_to_use(corpus, tmp_path, 
     assert train_pretrain.main(flags(corpus, tmp_path, max_steps=8, optimizer="muon", resume=True)) == 2
     assert "trained with --optimizer adamw" in capsys.readouterr().err
     assert train_pretrain.main(flags(corpus, tmp_path, max_steps=8, optimizer="adamw", resume=True)) == 0
+
+
+def test_a_recipe_s_muon_settings_are_moot_under_another_optimizer(tmp_path):
+    """The demo recipe sets Muon's rate; --optimizer adamw on top of it trains every parameter at --learning_rate
+    (the recipe's Muon settings recorded as unused), where the same flags typed are refused (above)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("optim:\n  learning_rate: 8.0e-3\n  muon_lr: 4.0e-3\n  muon_ns_steps: 3\n")
+    for optimizer in ("adamw", "sgd"):
+        o = parse_train_config("pretrain", ["--config", str(recipe), "--optimizer", optimizer], "").optim
+        assert (o.optimizer, o.learning_rate, o.muon_lr, o.muon_ns_steps) == (optimizer, 8e-3, None, None)
+    o = parse_train_config("pretrain", ["--config", str(recipe)], "").optim  # pretraining's auto: Muon
+    assert (o.optimizer, o.learning_rate, o.muon_lr, o.muon_ns_steps) == ("muon", 8e-3, 4e-3, 3)
+    with pytest.raises(ConfigError, match="--muon_lr sets Muon's learning rate; the optimizer is adamw"):
+        parse_train_config("pretrain", ["--config", str(recipe), "--optimizer", "adamw", "--muon_lr", "0.01"], "")

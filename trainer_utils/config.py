@@ -250,9 +250,12 @@ class TrainConfig:
                                   f"and weights) comes from {self.model.init_from}; "
                                   f"drop {'it' if len(given) == 1 else 'them'}")
         for flag, what in (("muon_lr", "Muon's learning rate"), ("muon_ns_steps", "Muon's Newton-Schulz iterations")):
-            if self.optim.optimizer != "muon" and getattr(self.optim, flag) is not None:
+            if self.optim.optimizer == "muon" or getattr(self.optim, flag) is None:
+                continue
+            if flag in getattr(self, "typed", ()):
                 raise ConfigError(f"--{flag} sets {what}; the optimizer is {self.optim.optimizer} (add "
                                   f"--optimizer muon, or drop --{flag})")
+            setattr(self.optim, flag, None)  # a recipe's, for Muon: moot here, and recorded as unused
         if self.model.compile and (problem := compile_toolchain_problem()):
             raise ConfigError(problem)
         if self.precision.deepspeed is not None:

@@ -31,10 +31,8 @@ class Pretrain(Stage):
         if given.get("preset") != AUTO_PRESET:
             return self.defaults
         auto = {**self.defaults, **self.auto}
-        no_muon = given.get("optimizer", "auto") not in ("auto", "muon") or given.get("deepspeed")
-        if no_muon or ("learning_rate" in given and "muon_lr" not in given):
-            # no Muon to give a rate of its own, or a rate of the user's: Muon's is --learning_rate, as documented
-            del auto["muon_lr"]
+        if "learning_rate" in given and "muon_lr" not in given:
+            del auto["muon_lr"]  # a rate of the user's: Muon's is --learning_rate too, as its flag says
         return auto
 
     def data_kind(self, data: DataConfig) -> DataKind:
