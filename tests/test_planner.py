@@ -299,14 +299,14 @@ def test_the_reason_whole(others, suffix, any_size):
 
 
 def test_the_reason_says_when_the_pick_is_outside_the_fitted_sizes():
-    for size in (426_880, 9_442_944):  # the smallest and the largest fitted run's size, exactly
+    for size in (53_568, 9_442_944):  # the smallest and the largest fitted run's size (depths 1 and 6), exactly
         inside = row("inside", size, 3.5)
         assert "outside" not in planner.why(inside, [inside])
-    for size, written in ((426_879, "426,879"), (9_442_945, "9,442,945")):
+    for size, written in ((53_567, "53,567"), (9_442_945, "9,442,945")):
         outside = row("out", size, 3.5)
         assert planner.why(outside, [outside]).endswith(
             f"; at {written} non-embedding parameters it is outside the sizes the loss model was fitted on "
-            "(426,880-9,442,944): its expected loss is extrapolated")
+            "(53,568-9,442,944): its expected loss is extrapolated")
 
 
 def test_the_reason_whole_when_the_data_is_the_limit(any_size):
