@@ -84,7 +84,7 @@ def train(depth: int, steps: int, runs_dir: Path, dtype: str, evals: int) -> tup
         return record, None
     argv = [sys.executable, str(ROOT / "train_pretrain.py"), "--data_path", str(DATA),
             "--preset", f"{DEPTH_PREFIX}{depth}", "--dtype", dtype,
-            *" ".join(recipe_flags()).split(), "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps),
+            *recipe_flags(), "--batch_size", str(RECIPE["batch_size"]), "--max_steps", str(steps),
             "--eval_interval", str(max(1, steps // evals)),
             "--log_interval", str(steps), "--no-checkpoints", "--sample_prompts", "none", "--probes", "none",
             "--out_dir", str(runs_dir), "--run_name", name, "--overwrite"]

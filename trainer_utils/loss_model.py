@@ -40,8 +40,8 @@ POLISHED = 8  # the best grid points L-BFGS starts from
 
 
 def recipe_flags() -> list[str]:
-    """The recipe's schedule as train_pretrain.py's flags ("--learning_rate 0.008", ...)."""
-    return [f"--{key} {RECIPE[key]:g}" for key in SCHEDULE]
+    """The recipe's schedule as train_pretrain.py's arguments: ["--learning_rate", "0.008", ...]."""
+    return [word for key in SCHEDULE for word in (f"--{key}", f"{RECIPE[key]:g}")]
 
 
 @dataclass(frozen=True)
