@@ -123,10 +123,11 @@ def progress(runs: list[dict], model: LossModel, model_error: float, min_tokens:
     """The progress table (trainer_utils/loss_model.py Progress) of the runs' curves: at each share of a run's steps,
     the median run's validation loss over the model's L(N, tokens so far), read only where the tokens so far are at
     least `min_tokens` (the fewest any fitted run trained on: below that the model extrapolates, and a curve's early
-    points say more about that than about the run), and the largest relative distance of a run from it plus the
-    model's own worst error on these runs (`model_error`: a run of another size may be that far from it at its end)
-    plus ELSEWHERE (these runs share one seed and fp32). Shares with fewer than two such points are left out; None
-    when none has two."""
+    points say more about that than about the run), and the largest relative distance of a run from it plus
+    ELSEWHERE (these runs share one seed and fp32). Each run is read against the model, so that distance already
+    holds the model's error on the run's size; `model_error`, the model's worst error on these runs, is what a model
+    of a size outside them gets on top ("beyond"). Shares with fewer than two such points are left out; None when
+    none has two."""
     tokens_per_step = RECIPE["batch_size"] * FIT_CONTEXT
     ratios: dict[float, list[float]] = {f: [] for f in SHARES}
     for r in runs:
@@ -142,7 +143,7 @@ def progress(runs: list[dict], model: LossModel, model_error: float, min_tokens:
     spread = [max(abs(q / m - 1) for q in v) for v, m in zip(kept.values(), median)]
     return {"runs": len(runs), "min_tokens": min_tokens, "shares": list(kept),
             "points": [len(v) for v in kept.values()], "ratios": [round(m, 4) for m in median],
-            "tolerances": [round(x + model_error + ELSEWHERE, 3) for x in spread]}
+            "tolerances": [round(x + ELSEWHERE, 3) for x in spread], "beyond": round(model_error, 3)}
 
 
 def main() -> None:

@@ -394,7 +394,8 @@ def test_bench_sharing_times_a_step_alone_and_beside_another_training_process(tm
 
 def test_the_progress_table_is_each_shares_median_ratio_with_the_spread_and_errors_added():
     """Runs whose curves sit at known ratios of a loss model: each share's ratio is their median, its tolerance the
-    farthest run from it plus the model's error plus ELSEWHERE; points before min_tokens are left out."""
+    farthest run from it plus ELSEWHERE, and the model's error what a size outside the runs gets on top ("beyond");
+    points before min_tokens are left out."""
     fit = bench_module("fit_loss_model")
     model = LossModel(E=2.0, A=10.0, alpha=0.5, B=100.0, beta=0.5)
     per_step = fit.RECIPE["batch_size"] * fit.FIT_CONTEXT
@@ -408,7 +409,8 @@ def test_the_progress_table_is_each_shares_median_ratio_with_the_spread_and_erro
     # share 0.2: the runs at steps 20 (left out: fewer than 40 steps' tokens), 40 and 80
     assert table["shares"] == [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0] and table["points"][0] == 2
     assert table["ratios"][0] == pytest.approx(1.03) and table["ratios"][-1] == pytest.approx(1.02)
-    assert table["tolerances"][-1] == pytest.approx(0.02 / 1.02 + 0.01 + fit.ELSEWHERE, abs=1e-3)
+    assert table["tolerances"][-1] == pytest.approx(0.02 / 1.02 + fit.ELSEWHERE, abs=1e-3)
+    assert table["beyond"] == 0.01
     assert fit.progress(runs[:1], model, 0.01, 0) is None  # one run: no share has two points
 
 

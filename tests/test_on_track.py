@@ -15,11 +15,11 @@ import train_pretrain
 from trainer_utils.components import on_track
 from trainer_utils.components.on_track import SPIKE, OnTrack, not_applicable, same_file
 from trainer_utils.config import OptimConfig
-from trainer_utils.loss_model import FIT_RESULTS, PROGRESS, LossModel, Progress
+from trainer_utils.loss_model import FIT_RESULTS, FIT_SIZES, PROGRESS, LossModel, Progress
 
 from conftest import ROOT, strict_records
 
-TABLE = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.02))
+TABLE = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.02), beyond=0.03)
 FLAT = LossModel(E=2.0, A=0.0, alpha=1.0, B=1000.0, beta=1.0)  # 2 + 1000 / tokens, whatever the size
 # 2 + 3e6 / N + 100,000 / tokens: the stand-in model's 3M non-embedding parameters make the middle term 1
 FALLING = LossModel(E=2.0, A=3e6, alpha=1.0, B=1e5, beta=1.0)
@@ -38,14 +38,21 @@ def test_the_expected_loss_by_hand(tokens, end, expected):
     assert got == (None if expected is None else pytest.approx(expected, rel=1e-12))
 
 
+@pytest.mark.parametrize("n,beyond", [(FIT_SIZES[0], 0.0), (FIT_SIZES[1], 0.0), (FIT_SIZES[0] - 1, 0.03),
+                                      (FIT_SIZES[1] + 1, 0.03), (25e6, 0.03)])
+def test_a_model_outside_the_fitted_sizes_gets_the_model_s_worst_error_on_top(n, beyond):
+    """The runs' spread holds the loss model's error on the sizes it was fitted on, not on others."""
+    assert TABLE.expected(FLAT, n, 1000, 2000) == pytest.approx((3.0, 0.04 + beyond), rel=1e-12)
+
+
 def test_nothing_is_expected_before_the_fit_s_fewest_tokens():
-    table = Progress(min_tokens=600, shares=(0.1, 1.0), ratios=(1.0, 1.0), tolerances=(0.05, 0.05))
+    table = Progress(min_tokens=600, shares=(0.1, 1.0), ratios=(1.0, 1.0), tolerances=(0.05, 0.05), beyond=0.0)
     assert table.expected(FLAT, 1e6, 599, 1000) is None  # 60% of the run, but fewer tokens than any fitted run
     assert table.expected(FLAT, 1e6, 600, 1000) == (2.0 + 1000 / 600, 0.05)
 
 
 def test_a_table_of_one_share_expects_its_ratio_from_there_on():
-    single = Progress(min_tokens=0, shares=(0.5,), ratios=(1.25,), tolerances=(0.05,))
+    single = Progress(min_tokens=0, shares=(0.5,), ratios=(1.25,), tolerances=(0.05,), beyond=0.0)
     assert single.expected(FLAT, 1e6, 400, 1000) is None
     assert single.expected(FLAT, 1e6, 500, 1000) == (1.25 * 4.0, 0.05)
     assert single.expected(FLAT, 1e6, 1000, 1000) == (1.25 * 3.0, 0.05)
@@ -55,7 +62,7 @@ def test_the_shipped_progress_table_is_the_recorded_one():
     fit = json.loads((ROOT / FIT_RESULTS).read_text())
     table = fit["progress"]
     assert Progress(table["min_tokens"], tuple(table["shares"]), tuple(table["ratios"]),
-                    tuple(table["tolerances"])) == PROGRESS
+                    tuple(table["tolerances"]), table["beyond"]) == PROGRESS
     assert PROGRESS.min_tokens == min(r["tokens"] for r in fit["runs"])
     assert all(t >= 0.02 for t in PROGRESS.tolerances) and PROGRESS.shares[-1] == 1.0
 
@@ -128,7 +135,7 @@ def at(ctx, component, step, train=None, val=None):
 
 
 def test_an_evaluation_beside_its_expectation_and_each_trouble_flagged_once(monkeypatch):
-    table = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.0123))
+    table = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.0123), beyond=0.0)
     monkeypatch.setattr(on_track, "PROGRESS", table)
     monkeypatch.setattr(on_track, "SHIPPED", FALLING)
     ctx = fake_ctx()
@@ -183,7 +190,7 @@ def test_an_evaluation_beside_its_expectation_and_each_trouble_flagged_once(monk
 
 def test_the_bounds_are_not_yet_trouble_and_the_last_step_is_compared(monkeypatch):
     # exactly 2.0 expected everywhere (1.75 + 0.25 / N^0 + 0 / D), with 25% of tolerance
-    monkeypatch.setattr(on_track, "PROGRESS", Progress(0, (0.1, 1.0), (1.0, 1.0), (0.25, 0.25)))
+    monkeypatch.setattr(on_track, "PROGRESS", Progress(0, (0.1, 1.0), (1.0, 1.0), (0.25, 0.25), 0.0))
     monkeypatch.setattr(on_track, "SHIPPED", LossModel(E=1.75, A=0.25, alpha=0.0, B=0.0, beta=1.0))
     ctx = fake_ctx(control=SimpleNamespace(total_steps=23, sync_counters=lambda: None))
     component = OnTrack(ctx)
@@ -220,7 +227,7 @@ def test_a_missing_file_is_no_file_of_the_loss_model(tmp_path):
 def test_the_tokens_are_read_as_of_the_evaluation_step(monkeypatch):
     """The device-side token counter is synced first: the log syncs it only every --log_interval, which need not
     divide --eval_interval (here the state still holds step 45's count at step 50's evaluation)."""
-    monkeypatch.setattr(on_track, "PROGRESS", Progress(0, (0.1, 1.0), (1.0, 1.0), (0.05, 0.05)))
+    monkeypatch.setattr(on_track, "PROGRESS", Progress(0, (0.1, 1.0), (1.0, 1.0), (0.05, 0.05), 0.0))
     monkeypatch.setattr(on_track, "SHIPPED", FALLING)
     ctx = fake_ctx()
     ctx.control.sync_counters = lambda: setattr(ctx.state, "tokens_seen", 4096 * ctx.state.step)
