@@ -19,7 +19,8 @@ from trainer_utils.loss_model import FIT_RESULTS, FIT_SIZES, PROGRESS, LossModel
 
 from conftest import ROOT, strict_records
 
-TABLE = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.02), beyond=0.03)
+TABLE = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.02),
+                 beyond=0.03)
 FLAT = LossModel(E=2.0, A=0.0, alpha=1.0, B=1000.0, beta=1.0)  # 2 + 1000 / tokens, whatever the size
 # 2 + 3e6 / N + 100,000 / tokens: the stand-in model's 3M non-embedding parameters make the middle term 1
 FALLING = LossModel(E=2.0, A=3e6, alpha=1.0, B=1e5, beta=1.0)
@@ -135,7 +136,8 @@ def at(ctx, component, step, train=None, val=None):
 
 
 def test_an_evaluation_beside_its_expectation_and_each_trouble_flagged_once(monkeypatch):
-    table = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.0123), beyond=0.0)
+    table = Progress(min_tokens=0, shares=(0.1, 0.5, 1.0), ratios=(0.9, 1.0, 1.0), tolerances=(0.1, 0.04, 0.0123),
+                     beyond=0.0)
     monkeypatch.setattr(on_track, "PROGRESS", table)
     monkeypatch.setattr(on_track, "SHIPPED", FALLING)
     ctx = fake_ctx()
