@@ -27,18 +27,22 @@ def auto_config(tmp_path, *extra):
 
 def test_auto_defaults_to_the_loss_model_s_recipe_and_four_epochs(tmp_path):
     o = auto_config(tmp_path).optim
-    assert (o.batch_size, o.learning_rate, o.muon_lr, o.warmup_steps, o.epochs) == (16, 8e-3, 4e-3, 20, 4) == (
-        RECIPE["batch_size"], RECIPE["learning_rate"], RECIPE["muon_lr"], RECIPE["warmup_steps"], planner.MAX_EPOCHS)
+    assert ((o.batch_size, o.learning_rate, o.muon_lr, o.muon_base_width, o.warmup_steps, o.epochs)
+            == (16, 8e-3, 4e-3, 256, 20, 4)
+            == (RECIPE["batch_size"], RECIPE["learning_rate"], RECIPE["muon_lr"], RECIPE["muon_base_width"],
+                RECIPE["warmup_steps"], planner.MAX_EPOCHS))
     o = auto_config(tmp_path, "--learning_rate", "1e-3", "--batch_size", "8", "--epochs", "2").optim
-    assert (o.batch_size, o.learning_rate, o.muon_lr, o.warmup_steps, o.epochs) == (8, 1e-3, None, 20, 2)  # given
+    assert ((o.batch_size, o.learning_rate, o.muon_lr, o.muon_base_width, o.warmup_steps, o.epochs)
+            == (8, 1e-3, None, None, 20, 2))  # given: one rate for all, at any width
     # flags win; Muon's rate is then the one given (its flag's default), unless given too
     o = auto_config(tmp_path, "--learning_rate", "1e-3", "--muon_lr", "2e-3").optim
-    assert (o.learning_rate, o.muon_lr) == (1e-3, 2e-3)
+    assert (o.learning_rate, o.muon_lr, o.muon_base_width) == (1e-3, 2e-3, 256)
     o = parse_train_config("pretrain", ["--preset", "depth-3"], None).optim  # a named preset: the stage's defaults
-    assert (o.batch_size, o.learning_rate, o.muon_lr, o.warmup_steps, o.epochs) == (32, 5e-4, None, None, 1)
+    assert ((o.batch_size, o.learning_rate, o.muon_lr, o.muon_base_width, o.warmup_steps, o.epochs)
+            == (32, 5e-4, None, None, None, 1))
     for other in (["--optimizer", "adamw"], ["--optimizer", "sgd"]):  # no Muon: one rate for all, no refusal
         o = auto_config(tmp_path, *other).optim
-        assert (o.optimizer, o.learning_rate, o.muon_lr) == (other[1], 8e-3, None)
+        assert (o.optimizer, o.learning_rate, o.muon_lr, o.muon_base_width) == (other[1], 8e-3, None, None)
 
 
 @pytest.mark.parametrize("script,argv,message", [

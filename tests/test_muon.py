@@ -15,7 +15,8 @@ import train_pretrain
 from common.errors import ConfigError
 from model import PocketLM
 from trainer_utils.muon import NS_COEFFICIENTS, Muon, newton_schulz
-from trainer_utils.optim import MuonWithAdamW, WarmupCosine, build_optimizer
+from trainer_utils.config import OptimConfig
+from trainer_utils.optim import MuonWithAdamW, WarmupCosine, build_optimizer, optimizer_for
 from trainer_utils.stages import parse_train_config
 
 from conftest import ROOT, fake_cpu, read_metrics, tiny_config
@@ -198,6 +199,23 @@ def test_the_schedule_scales_muons_learning_rate_and_logs_the_base_one():
     assert {g["lr"] for g in default.param_groups} == {2e-3}
 
 
+@pytest.mark.parametrize("width,base,muon_lr,expected", [
+    (128, 256, 4e-3, 8e-3),  # half as wide: twice the rate
+    (512, 256, 4e-3, 2e-3),
+    (256, 256, 4e-3, 4e-3),
+    (64, 256, None, 4 * 1e-3),  # no --muon_lr: --learning_rate's, scaled
+    (64, None, 4e-3, 4e-3),  # no base width: --muon_lr at any width
+])
+def test_muon_s_rate_by_width_is_muon_lr_times_base_width_over_the_model_s(width, base, muon_lr, expected):
+    """--muon_base_width B: a model of hidden size W trains Muon's matrices at --muon_lr x B / W; AdamW's at
+    --learning_rate whatever the width."""
+    model = PocketLM(tiny_config(hidden_size=width, num_attention_heads=width // 16, num_key_value_heads=width // 32))
+    o = OptimConfig(optimizer="muon", learning_rate=1e-3, muon_lr=muon_lr, muon_base_width=base)
+    optimizer = optimizer_for(model, o, CPU)
+    rates = {g["owner"]: g["lr"] for g in optimizer.param_groups}
+    assert rates == {"muon": pytest.approx(expected, rel=1e-12), "adamw": 1e-3}
+
+
 def test_state_dict_round_trip_continues_identically():
     model = PocketLM(tiny_config())
     optimizer = muon(model)
@@ -268,6 +286,7 @@ def test_muon_learns_a_sample_by_heart(corpus, tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--optimizer", "adamw", "--muon_lr", "0.01"], "--optimizer muon"),
+    (["--optimizer", "adamw", "--muon_base_width", "256"], "--optimizer muon"),
     (["--optimizer", "adamw", "--muon_ns_steps", "3"], "--muon_ns_steps sets Muon's Newton-Schulz iterations"),
     (["--optimizer", "muon", "--deepspeed", "launch/ds_zero2.json", "--dtype", "bfloat16"], "DDP"),
 ])
@@ -342,11 +361,13 @@ def test_a_recipe_s_muon_settings_are_moot_under_another_optimizer(tmp_path):
     """The demo recipe sets Muon's rate; --optimizer adamw on top of it trains every parameter at --learning_rate
     (the recipe's Muon settings recorded as unused), where the same flags typed are refused (above)."""
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("optim:\n  learning_rate: 8.0e-3\n  muon_lr: 4.0e-3\n  muon_ns_steps: 3\n")
+    recipe.write_text("optim:\n  learning_rate: 8.0e-3\n  muon_lr: 4.0e-3\n  muon_base_width: 256\n"
+                      "  muon_ns_steps: 3\n")
     for optimizer in ("adamw", "sgd"):
         o = parse_train_config("pretrain", ["--config", str(recipe), "--optimizer", optimizer], "").optim
-        assert (o.optimizer, o.learning_rate, o.muon_lr, o.muon_ns_steps) == (optimizer, 8e-3, None, None)
+        assert ((o.optimizer, o.learning_rate, o.muon_lr, o.muon_base_width, o.muon_ns_steps)
+                == (optimizer, 8e-3, None, None, None))
     o = parse_train_config("pretrain", ["--config", str(recipe)], "").optim  # pretraining's auto: Muon
-    assert (o.optimizer, o.learning_rate, o.muon_lr, o.muon_ns_steps) == ("muon", 8e-3, 4e-3, 3)
+    assert (o.optimizer, o.learning_rate, o.muon_lr, o.muon_base_width, o.muon_ns_steps) == ("muon", 8e-3, 4e-3, 256, 3)
     with pytest.raises(ConfigError, match="--muon_lr sets Muon's learning rate; the optimizer is adamw"):
         parse_train_config("pretrain", ["--config", str(recipe), "--optimizer", "adamw", "--muon_lr", "0.01"], "")

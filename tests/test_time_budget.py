@@ -607,7 +607,7 @@ def test_the_demo_gives_each_stage_a_share_of_the_time_left():
     assert config.model.preset == "auto"
     # with the settings the loss model was fitted with, so its expected losses and the plan's pick hold for the demo
     assert {key: getattr(config.optim, key) for key in RECIPE} == RECIPE == {
-        "learning_rate": 8e-3, "muon_lr": 4e-3, "warmup_steps": 20, "batch_size": 16}
+        "learning_rate": 8e-3, "muon_lr": 4e-3, "muon_base_width": 256, "warmup_steps": 20, "batch_size": 16}
     fixed = parse_train_config("pretrain", ["--config", str(ROOT / "recipes/demo-pretrain.yaml"),
                                             *d.stage_flags("pretrain", 0.0, 600.0, 60.0, 450)[0].split()], None)
     assert fixed.model.preset == "depth-4" and fixed.optim.time_budget is None  # fixed steps: the recipe's model

@@ -75,6 +75,11 @@ class OptimConfig:
     momentum: float = option(0.9, "SGD momentum (Nesterov)", at_least=0, below=1)
     muon_lr: float | None = option(None, "Muon's peak learning rate (default: --learning_rate; its updates are "
                                          "scaled to AdamW's RMS, so the two are on one scale)", above=0)
+    muon_base_width: int | None = option(None, "the model width (hidden size) --muon_lr is for: a model of "
+                                               "another width trains Muon's matrices at --muon_lr x muon_base_width "
+                                               "/ hidden_size, as their best rate falls with the width (muP's rule "
+                                               "for hidden matrices; docs/training.md). Default: --muon_lr at any width",
+                                         at_least=1)
     muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", at_least=0, below=1)
     muon_ns_steps: int | None = option(None, "Newton-Schulz iterations per Muon update (default: 5 where the "
                                              "iteration runs in bf16 or fp16, 3 in fp32, docs/precision.md)",
@@ -249,7 +254,8 @@ class TrainConfig:
                 raise ConfigError(f"{', '.join(given)} cannot take effect with --init_from: the model (its shape "
                                   f"and weights) comes from {self.model.init_from}; "
                                   f"drop {'it' if len(given) == 1 else 'them'}")
-        for flag, what in (("muon_lr", "Muon's learning rate"), ("muon_ns_steps", "Muon's Newton-Schulz iterations")):
+        for flag, what in (("muon_lr", "Muon's learning rate"), ("muon_base_width", "the width Muon's rate is for"),
+                           ("muon_ns_steps", "Muon's Newton-Schulz iterations")):
             if self.optim.optimizer == "muon" or getattr(self.optim, flag) is None:
                 continue
             if flag in getattr(self, "typed", ()):

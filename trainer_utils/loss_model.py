@@ -25,9 +25,11 @@ HUBER_DELTA = 1e-3
 # What the shipped loss model was fitted on (bench/fit_loss_model.py): every run a model of the depth family
 # (--preset depth-N) trained on the bundled corpus with these settings, its schedule completed at its last step.
 # Two peak rates: Muon's for the hidden matrices, and twice that for what AdamW trains (the embedding and the norms:
-# in a small model the embedding is most of its parameters, and it learns faster at the higher rate; dev/LOG.md)
-RECIPE = {"learning_rate": 8e-3, "muon_lr": 4e-3, "warmup_steps": 20, "batch_size": 16}
-SCHEDULE = ("learning_rate", "muon_lr", "warmup_steps")  # the recipe's schedule: the batch is the plan's to choose
+# in a small model the embedding is most of its parameters, and it learns faster at the higher rate); Muon's is for
+# a width of 256 (depth 4), and a model of another width takes it in inverse proportion (dev/LOG.md)
+RECIPE = {"learning_rate": 8e-3, "muon_lr": 4e-3, "muon_base_width": 256, "warmup_steps": 20, "batch_size": 16}
+# the recipe's schedule: the batch is the plan's to choose
+SCHEDULE = ("learning_rate", "muon_lr", "muon_base_width", "warmup_steps")
 FIT_DATA = "dataset/demo/pretrain_demo.jsonl"
 FIT_CONTEXT = 256  # tokens a sequence: the depth family's context
 FIT_RESULTS = "bench/results/loss-model-demo.json"  # the fit: its runs, constants and residuals

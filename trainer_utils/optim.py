@@ -126,8 +126,16 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
 
 def optimizer_for(model: torch.nn.Module, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     """build_optimizer with a run's optimization settings (--optimizer, its learning rates and hyperparameters)."""
+    muon_lr = o.muon_lr if o.muon_base_width is None else muon_rate(o, model.config.hidden_size)
     return build_optimizer(model, o.optimizer, o.learning_rate, o.weight_decay, (o.beta1, o.beta2), o.momentum,
-                           device, o.adam_eps, o.muon_lr, o.muon_momentum, o.muon_ns_steps)
+                           device, o.adam_eps, muon_lr, o.muon_momentum, o.muon_ns_steps)
+
+
+def muon_rate(o: OptimConfig, width: int) -> float:
+    """Muon's peak learning rate for a model `width` wide under --muon_base_width: --muon_lr (else
+    --learning_rate) times muon_base_width / width."""
+    assert o.muon_base_width is not None
+    return (o.muon_lr if o.muon_lr is not None else o.learning_rate) * o.muon_base_width / width
 
 
 class WarmupCosine:

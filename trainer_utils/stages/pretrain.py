@@ -32,7 +32,8 @@ class Pretrain(Stage):
             return self.defaults
         auto = {**self.defaults, **self.auto}
         if "learning_rate" in given and "muon_lr" not in given:
-            del auto["muon_lr"]  # a rate of the user's: Muon's is --learning_rate too, as its flag says
+            # a rate of the user's: Muon's is --learning_rate too, as its flag says, at any width
+            del auto["muon_lr"], auto["muon_base_width"]
         return auto
 
     def data_kind(self, data: DataConfig) -> DataKind:
