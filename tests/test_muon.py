@@ -14,8 +14,8 @@ from test_train import flags, weights
 import train_pretrain
 from common.errors import ConfigError
 from model import PocketLM
-from trainer_utils.muon import NS_COEFFICIENTS, Muon, newton_schulz
 from trainer_utils.config import OptimConfig
+from trainer_utils.muon import NS_COEFFICIENTS, Muon, newton_schulz
 from trainer_utils.optim import MuonWithAdamW, WarmupCosine, build_optimizer, optimizer_for
 from trainer_utils.stages import parse_train_config
 
