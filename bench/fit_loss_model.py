@@ -3,15 +3,15 @@
     python bench/fit_loss_model.py                                       # depths 2-5 at 120, 240, 480 steps, fp32
     python bench/fit_loss_model.py --depths 2 3 4 --steps 120 240 --out /tmp/fit.json
     python bench/fit_loss_model.py --holdout 6:240 4:720          # and predict runs left out of the fit
-    python bench/fit_loss_model.py --depths 2 3 4 --steps 120 240 480 960 --more 5:120 5:240 5:480 6:120 6:240 \
-        --holdout 1:120 1:240 1:480 1:960                            # the shipped fit (FIT_RESULTS)
+    python bench/fit_loss_model.py --depths 1 2 3 4 --steps 120 240 480 960 \
+        --more 5:120 5:240 5:480 6:120 6:240                         # the shipped fit (FIT_RESULTS)
     python bench/fit_loss_model.py --depths 3 4 --steps 480 --model bench/results/loss-model-demo.json \
         --out /tmp/check.json                                      # runs tested against the shipped fit
 
 Every run is a model of the depth family (`--preset depth-N`, model/config.py: 64 x depth wide, heads of 64, two
 key-value heads where the heads divide by two, QK-norm, context 256) trained with the recipe's settings
-(loss_model.RECIPE: Muon's matrices at learning rate 4e-3, the embedding and norms at 8e-3, 20 warm-up steps, 16
-sequences a step) for a given number of steps, its schedule completed there, in a process of its own
+(loss_model.RECIPE: Muon's matrices at learning rate 4e-3 x 256 / width, the embedding and norms at 8e-3, 20
+warm-up steps, 16 sequences a step) for a given number of steps, its schedule completed there, in a process of its own
 (train_pretrain.py), evaluated --evals times on its way (its curve). A run's point is (non-embedding parameters,
 tokens trained on, final validation loss); the fit, its constants and each point's relative error are written to
 --out, with the progress table of the curves of the runs of at least --progress_steps steps (where a run's
