@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.device import cpu_model  # noqa: E402
 from model.config import DEPTH_PREFIX, get_preset  # noqa: E402
-from trainer_utils.loss_model import FIT_CONTEXT, FIT_DATA, RECIPE, LossModel, fit, recipe_flags  # noqa: E402
+from trainer_utils.loss_model import CONSTANTS, FIT_CONTEXT, FIT_DATA, RECIPE, LossModel, fit, recipe_flags  # noqa: E402
 
 DATA = ROOT / FIT_DATA
 SHARES = tuple(k / 10 for k in range(1, 11))  # of a run's steps, where its curve is read for the progress table
@@ -165,8 +165,11 @@ def main() -> None:
                                                    "instead of fitting them")
     args = parser.parse_args()
     more, holdout = ([tuple(map(int, h.split(":"))) for h in given] for given in (args.more, args.holdout))
-    runs = [run_point(depth, steps, args) for depth, steps in
-            [(depth, steps) for depth in args.depths for steps in args.steps] + more]
+    fitted = [(depth, steps) for depth in args.depths for steps in args.steps] + more
+    if not args.model and len(fitted) < CONSTANTS:  # said before hours of training, not after
+        parser.error(f"the loss model has {CONSTANTS} constants: fitting it needs at least {CONSTANTS} runs "
+                     f"(--depths x --steps, and --more), got {len(fitted)}")
+    runs = [run_point(depth, steps, args) for depth, steps in fitted]
     if args.model:
         recorded = json.loads(args.model.read_text())
         model, min_tokens = LossModel.from_dict(recorded["model"]), min(r["tokens"] for r in recorded["runs"])

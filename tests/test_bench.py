@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -423,11 +424,25 @@ def test_the_fit_reads_a_finished_run_only_if_it_was_trained_with_the_recipe(tmp
     write_jsonl(run / "metrics.jsonl", [{"step": 4, "val_loss": 5.0}, {"step": 8, "loss": 4.6, "tokens_seen": 32768},
                                         {"step": 8, "val_loss": 4.5}])
     assert fit.last_record(run, 8) is None  # no train_config.json: its settings are unknown
-    optim = {"learning_rate": 8e-3, "muon_lr": 4e-3, "warmup_steps": 20, "batch_size": 16, "epochs": 1}
+    optim = {"learning_rate": 8e-3, "muon_lr": 4e-3, "muon_base_width": 256, "warmup_steps": 20, "batch_size": 16,
+             "epochs": 1}
     (run / "train_config.json").write_text(json.dumps({"optim": optim}))
     assert fit.last_record(run, 8) == {"step": 8, "loss": 4.6, "tokens_seen": 32768, "val_loss": 4.5,
                                        "curve": [[4, 5.0], [8, 4.5]]}
     assert fit.last_record(run, 16) is None  # not finished
-    for key, other in (("learning_rate", 4e-3), ("muon_lr", None), ("warmup_steps", 10), ("batch_size", 8)):
+    for key, other in (("learning_rate", 4e-3), ("muon_lr", None), ("muon_base_width", None), ("warmup_steps", 10),
+                       ("batch_size", 8)):
         (run / "train_config.json").write_text(json.dumps({"optim": {**optim, key: other}}))
         assert fit.last_record(run, 8) is None, key
+
+
+def test_the_fit_refuses_too_few_runs_before_training_any(tmp_path, monkeypatch, capsys):
+    """Four runs cannot fit five constants: said at once (exit 2), not after the hours of training them."""
+    fit = bench_module("fit_loss_model")
+    monkeypatch.setattr(fit, "run_point", lambda *a: pytest.fail("a run was trained"))
+    monkeypatch.setattr(sys, "argv", ["fit_loss_model.py", "--depths", "1", "--steps", "120", "240",
+                                      "--more", "2:120", "2:240", "--runs_dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        fit.main()
+    assert e.value.code == 2
+    assert "needs at least 5 runs (--depths x --steps, and --more), got 4" in capsys.readouterr().err

@@ -78,8 +78,8 @@ class OptimConfig:
     muon_base_width: int | None = option(None, "the model width (hidden size) --muon_lr is for: a model of "
                                                "another width trains Muon's matrices at --muon_lr x muon_base_width "
                                                "/ hidden_size, as their best rate falls with the width (muP's rule "
-                                               "for hidden matrices; docs/training.md). Default: --muon_lr at any width",
-                                         at_least=1)
+                                               "for hidden matrices; docs/training.md). Default: --muon_lr at any "
+                                               "width", at_least=1)
     muon_momentum: float = option(0.95, "Muon momentum (Nesterov)", at_least=0, below=1)
     muon_ns_steps: int | None = option(None, "Newton-Schulz iterations per Muon update (default: 5 where the "
                                              "iteration runs in bf16 or fp16, 3 in fp32, docs/precision.md)",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
 
 import torch
@@ -68,6 +68,9 @@ class LossModel:
         return cls(**{k: float(d[k]) for k in ("E", "A", "alpha", "B", "beta")})
 
 
+CONSTANTS = len(fields(LossModel))  # E, A, alpha, B, beta: a fit needs as many runs
+
+
 @dataclass(frozen=True)
 class Fit:
     """A fitted loss model and how well it fits its points: each point's relative error (predicted / actual - 1)."""
@@ -99,8 +102,9 @@ def _objective(theta: torch.Tensor, log_n: torch.Tensor, log_d: torch.Tensor, lo
 def fit(points: Sequence[tuple[float, float, float]]) -> Fit:
     """The loss model of (parameters, tokens, final validation loss) points. ValueError for fewer than 5 points
     (5 constants) or a point that is not positive and finite."""
-    if len(points) < 5:
-        raise ValueError(f"a loss model has 5 constants: fitting it needs at least 5 runs, got {len(points)}")
+    if len(points) < CONSTANTS:
+        raise ValueError(f"a loss model has {CONSTANTS} constants: fitting it needs at least {CONSTANTS} runs, got "
+                         f"{len(points)}")
     if not all(math.isfinite(x) and x > 0 for p in points for x in p):
         raise ValueError("every point's parameters, tokens and loss must be positive and finite")
     n, d, loss = (torch.tensor(column, dtype=torch.float64) for column in zip(*points))
