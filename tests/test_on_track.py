@@ -173,7 +173,7 @@ def test_an_evaluation_beside_its_expectation_and_each_trouble_flagged_once(monk
         f"step 60: expected val_loss {expected(60):.4f} (±3%): behind",
         f"off track: the validation loss is {expected(60) * 1.0401:.4f} at step 60, 4% above the {expected(60):.4f} "
         "the loss model expects here (its runs spread ±3%): check the learning rate (its runs: --learning_rate "
-        "0.008 --muon_lr 0.004 --warmup_steps 20), the data and --dtype"]
+        "0.008 --muon_lr 0.004 --muon_base_width 256 --warmup_steps 20), the data and --dtype"]
     at(ctx, component, 70, val=9.0)  # over 5% above the best so far: diverging, and behind (said before)
     assert log.messages[-2] == (f"off track: the validation loss rose to 9.0000 at step 70 from its best, "
                                 f"{expected(60) * 1.0401:.4f}: lower --learning_rate, or check --grad_clip and --dtype "

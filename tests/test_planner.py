@@ -320,16 +320,16 @@ def test_the_reason_whole_when_the_data_is_the_limit(any_size):
 @pytest.mark.parametrize("name,epochs,data_path,expected", [
     # the recipe's settings the loss model was fitted with; 6.48 epochs are capped at 4
     ("depth-3", 6.48, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.008 "
-                                 "--muon_lr 0.004 --warmup_steps 20 --epochs 4"),
+                                 "--muon_lr 0.004 --muon_base_width 256 --warmup_steps 20 --epochs 4"),
     ("depth-3", 1.2, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.008 "
-                                "--muon_lr 0.004 --warmup_steps 20 --epochs 2"),
+                                "--muon_lr 0.004 --muon_base_width 256 --warmup_steps 20 --epochs 2"),
     ("depth-3", 0.5, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.008 "
-                                "--muon_lr 0.004 --warmup_steps 20"),  # under an epoch: the default 1
+                                "--muon_lr 0.004 --muon_base_width 256 --warmup_steps 20"),  # under an epoch: 1
     ("depth-3", None, None, "--data_path YOUR.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.008 "
-                            "--muon_lr 0.004 --warmup_steps 20"),  # no data given
+                            "--muon_lr 0.004 --muon_base_width 256 --warmup_steps 20"),  # no data given
     # a preset without QK-norm gets it (the depth family has it): the recipe's learning rate needs it
     ("mini-30m", 2.0, "d.jsonl", "--data_path d.jsonl --time_budget 1h --batch_size 16 --learning_rate 0.008 "
-                                 "--muon_lr 0.004 --warmup_steps 20 --epochs 2 --qk_norm"),
+                                 "--muon_lr 0.004 --muon_base_width 256 --warmup_steps 20 --epochs 2 --qk_norm"),
 ])
 def test_the_command_line_whole(name, epochs, data_path, expected):
     best = row(name, 10e6)
@@ -735,7 +735,7 @@ def test_the_command_prints_the_plan_whole(monkeypatch, capsys):
     assert planner.main("2h", "cpu", "d.jsonl", ["depth-3", "huge"]) == 0
     assert capsys.readouterr().out.splitlines() == ["the header", *table, "recommended: the reason",
         "  python train_pretrain.py --preset depth-3 --data_path d.jsonl --time_budget 2h --batch_size 16 "
-        "--learning_rate 0.008 --muon_lr 0.004 --warmup_steps 20 --epochs 4",
+        "--learning_rate 0.008 --muon_lr 0.004 --muon_base_width 256 --warmup_steps 20 --epochs 4",
         "  or: python train_pretrain.py --preset auto --time_budget 2h --data_path d.jsonl (plans again, then trains "
         "the pick)", planner.FOOTER]
     assert planner.main("90s", "cpu", None, None) == 0  # nothing fits: no command line
@@ -749,7 +749,7 @@ def test_the_command_prints_the_plan_whole(monkeypatch, capsys):
 
 def test_the_footer_names_the_loss_model_s_source():
     assert "bench/results/loss-model-demo.json" in planner.FOOTER
-    assert "--learning_rate 0.008 --muon_lr 0.004 --warmup_steps 20" in planner.FOOTER
+    assert "--learning_rate 0.008 --muon_lr 0.004 --muon_base_width 256 --warmup_steps 20" in planner.FOOTER
 
 
 def test_a_long_plan_hides_the_rows_far_from_the_pick(monkeypatch, capsys):

@@ -227,6 +227,18 @@ def test_existing_run_is_not_clobbered(corpus, tmp_path, capsys):
     assert train_pretrain.main(flags(corpus, tmp_path, max_steps=2, overwrite=True)) == 0
 
 
+def test_a_run_without_checkpoints_is_not_appended_to(corpus, tmp_path, capsys):
+    """A --no-checkpoints run leaves only its metrics: a second run of its name is refused like any other, and
+    --overwrite starts its metrics afresh (it appended to the first run's, two runs' curves in one file)."""
+    quiet = [*flags(corpus, tmp_path, max_steps=2, eval_interval=1), "--no-checkpoints"]
+    assert train_pretrain.main(quiet) == 0
+    assert train_pretrain.main(quiet) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert train_pretrain.main([*quiet, "--overwrite"]) == 0
+    evaluations = [r["step"] for r in map(json.loads, (tmp_path / "run/metrics.jsonl").open()) if "val_loss" in r]
+    assert evaluations == [1, 2]
+
+
 def test_bad_data_is_a_one_line_error(corpus, tmp_path, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, "{nope"])
     assert train_pretrain.main(flags(corpus, tmp_path, data_path=bad)) == 2

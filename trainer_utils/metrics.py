@@ -77,6 +77,9 @@ class TrainClock:
             self.paused_at = None
 
 
+METRICS_FILE = "metrics.jsonl"  # in the run's directory: every record, one JSON object a line
+
+
 class MetricsLogger:
     """Writes every record to metrics.jsonl and mirrors it to the progress bar, wandb and tensorboard (rank 0)."""
 
@@ -89,7 +92,7 @@ class MetricsLogger:
         from tqdm import tqdm
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.file = open(run_dir / METRICS_FILE, "a", buffering=1)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=run_dir.name, dynamic_ncols=True,
                         file=sys.stderr, disable=None)
         if use_wandb:

@@ -35,7 +35,7 @@ from .checkpoint import latest_checkpoint
 from .config import NEW_MODEL_FLAGS, ModelOptions, TrainConfig
 from .context import LoopControl, RunContext, SetupContext, TrainState
 from .distributed import detect_env, device_for, make_backend
-from .metrics import TrainClock
+from .metrics import METRICS_FILE, TrainClock
 from .objectives import Objective
 from .routing import RouterBalance
 from .runtime import Precision, seed_everything, wider_dtype
@@ -113,8 +113,10 @@ class Session:
                               f"({self.model_config.max_position_embeddings})")
         self.stage.check_session(self.setup_context())
         self.lora, self.base_ref = self._lora()
-        # Every rank checks (before any collective exists, so all stop together); only rank 0 deletes.
-        if not run.resume and (self.run_dir / "latest").exists():
+        # Every rank checks (before any collective exists, so all stop together); only rank 0 deletes. A run is
+        # there when it saved a checkpoint or logged a record: a --no-checkpoints run, or one stopped before its
+        # first save, leaves only its metrics, which a new run would otherwise append to.
+        if not run.resume and any((self.run_dir / name).exists() for name in ("latest", METRICS_FILE)):
             if not run.overwrite:
                 raise ConfigError(f"{self.run_dir} already holds a run; pass --resume to continue it, "
                                   "--overwrite to replace it, or --run_name to start another")
