@@ -16,6 +16,7 @@ LATEST_NAME = "latest"  # out/<run>/latest holds "checkpoints/step_..." of the n
 BEST_NAME = "best"  # out/<run>/best: the checkpoint with the lowest validation loss (with early stopping)
 TRAIN_INFO_NAME = "train_info.json"  # stage and step of a checkpoint
 TRAIN_CONFIG_NAME = "train_config.json"  # a run's full configuration, itself a valid --config file
+METRICS_NAME = "metrics.jsonl"  # out/<run>/metrics.jsonl: every record of the run, one JSON object a line
 
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

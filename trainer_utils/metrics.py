@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from common.device import synchronize
+from common.files import METRICS_NAME
 
 if TYPE_CHECKING:
     from model import ModelConfig
@@ -77,9 +78,6 @@ class TrainClock:
             self.paused_at = None
 
 
-METRICS_FILE = "metrics.jsonl"  # in the run's directory: every record, one JSON object a line
-
-
 class MetricsLogger:
     """Writes every record to metrics.jsonl and mirrors it to the progress bar, wandb and tensorboard (rank 0)."""
 
@@ -92,7 +90,7 @@ class MetricsLogger:
         from tqdm import tqdm
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / METRICS_FILE, "a", buffering=1)
+        self.file = open(run_dir / METRICS_NAME, "a", buffering=1)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=run_dir.name, dynamic_ncols=True,
                         file=sys.stderr, disable=None)
         if use_wandb:

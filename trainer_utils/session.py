@@ -16,7 +16,7 @@ import torch
 
 from common.device import DTYPES, choose_dtype, dtype_name
 from common.errors import CheckpointError, ConfigError, TokenizerError
-from common.files import shipped_path
+from common.files import LATEST_NAME, METRICS_NAME, shipped_path
 from dataset.config import training_data
 from dataset.kinds import TEXT
 from dataset.tasks import load_tasks
@@ -35,7 +35,7 @@ from .checkpoint import latest_checkpoint
 from .config import NEW_MODEL_FLAGS, ModelOptions, TrainConfig
 from .context import LoopControl, RunContext, SetupContext, TrainState
 from .distributed import detect_env, device_for, make_backend
-from .metrics import METRICS_FILE, TrainClock
+from .metrics import TrainClock
 from .objectives import Objective
 from .routing import RouterBalance
 from .runtime import Precision, seed_everything, wider_dtype
@@ -116,7 +116,7 @@ class Session:
         # Every rank checks (before any collective exists, so all stop together); only rank 0 deletes. A run is
         # there when it saved a checkpoint or logged a record: a --no-checkpoints run, or one stopped before its
         # first save, leaves only its metrics, which a new run would otherwise append to.
-        if not run.resume and any((self.run_dir / name).exists() for name in ("latest", METRICS_FILE)):
+        if not run.resume and any((self.run_dir / name).exists() for name in (LATEST_NAME, METRICS_NAME)):
             if not run.overwrite:
                 raise ConfigError(f"{self.run_dir} already holds a run; pass --resume to continue it, "
                                   "--overwrite to replace it, or --run_name to start another")
