@@ -92,11 +92,13 @@ def newton_schulz_steps(optimizer: torch.optim.Optimizer) -> int | None:
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
                     momentum: float, device: torch.device, eps: float = 1e-8, muon_lr: float | None = None,
-                    muon_momentum: float = 0.95, muon_ns_steps: int | None = None) -> torch.optim.Optimizer:
+                    muon_momentum: float = 0.95, muon_ns_steps: int | None = None,
+                    muon_width_scale: float = 1.0) -> torch.optim.Optimizer:
     """AdamW, SGD or Muon+AdamW over `model`'s trainable parameters, weight decay on matrices only.
 
     Every group may carry an "lr_scale": its learning rate relative to the schedule's (WarmupCosine applies it),
-    which is how Muon's matrices get their own learning rate under one schedule. Muon's Newton-Schulz iteration
+    which is how Muon's matrices get their own learning rate under one schedule: `muon_lr` (default `lr`) times
+    `muon_width_scale` (--muon_base_width / the model's width). Muon's Newton-Schulz iteration
     runs in the device's fast precision (common/device.py: bf16 where native, else fp32 or fp16).
     """
     # The fused AdamW kernel updates all parameters in one pass (3.5x faster than the default on CPU, one launch
@@ -114,7 +116,7 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
             raise ConfigError("--optimizer muon found no hidden weight matrix to train (use adamw)")
         # the rest on AdamW, decayed as usual: MoE expert stacks, routers and an untied head decay, the others not
         rest = param_groups(((n, p) for n, p in named if not is_hidden_matrix(n, p)), weight_decay)
-        scale = (muon_lr if muon_lr is not None else lr) / lr
+        scale = (muon_lr if muon_lr is not None else lr) / lr * muon_width_scale
         policy = precision_policy(device)
         muon_groups = [{"params": hidden, "lr": lr * scale, "lr_scale": scale, "weight_decay": weight_decay,
                         "ns_steps": muon_ns_steps or policy.newton_schulz_steps}]
@@ -126,16 +128,10 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
 
 def optimizer_for(model: torch.nn.Module, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     """build_optimizer with a run's optimization settings (--optimizer, its learning rates and hyperparameters)."""
-    muon_lr = o.muon_lr if o.muon_base_width is None else muon_rate(o, model.config.hidden_size)
+    # --muon_base_width: Muon's rate is for that width, and a model of another width takes it in inverse proportion
+    width_scale = 1.0 if o.muon_base_width is None else o.muon_base_width / model.config.hidden_size
     return build_optimizer(model, o.optimizer, o.learning_rate, o.weight_decay, (o.beta1, o.beta2), o.momentum,
-                           device, o.adam_eps, muon_lr, o.muon_momentum, o.muon_ns_steps)
-
-
-def muon_rate(o: OptimConfig, width: int) -> float:
-    """Muon's peak learning rate for a model `width` wide under --muon_base_width: --muon_lr (else
-    --learning_rate) times muon_base_width / width."""
-    assert o.muon_base_width is not None
-    return (o.muon_lr if o.muon_lr is not None else o.learning_rate) * o.muon_base_width / width
+                           device, o.adam_eps, o.muon_lr, o.muon_momentum, o.muon_ns_steps, width_scale)
 
 
 class WarmupCosine:
