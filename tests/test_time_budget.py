@@ -128,6 +128,9 @@ def virtual_clock(monkeypatch, step_cost, *, eval_s: float = 0.0, save_s: float 
                   age_s: float = 0.0) -> VirtualTime:
     """Each optimizer step costs step_cost(step) virtual seconds; an evaluation round eval_s, a checkpoint save_s,
     building a model build_s; the process was age_s old when main() began (the interpreter and imports)."""
+    # The CPU's bf16 speed is timed once a process and cached: timed first under the frozen clock, it read 0x,
+    # and every later test in the process (a Muon run's Newton-Schulz format) took this CPU for one without bf16
+    device_mod.cpu_capabilities()
     clock = VirtualTime()
     for module in (loop_mod, driver_mod, metrics_mod, budget_mod, device_mod):  # device_mod: timed()
         monkeypatch.setattr(module, "time", clock)
