@@ -19,7 +19,8 @@
    different tokens, so bits per byte is what compares.
 
 Throughput is the steady training rate: text tokens a second (MiniMind: the non-padding tokens of its rows;
-PocketLM: every token, since it packs) and, comparable across tokenizers, text bytes a second.
+PocketLM: the targets its run counted, every position since it packs, at whatever batch and accumulation a config
+sets) and, comparable across tokenizers, text bytes a second.
 
 Writes --out/results.json and --out/results.md. A leg already measured (--out/legs/NAME.json) is reused unless
 --again; delete it to measure it afresh. Runs one process at a time: in parallel they would share the cores.
@@ -204,14 +205,22 @@ def run_pocketlm(name: str, flags: str, train: Path, out: Path, budget_s: float,
     records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "tokens_seen" in r]
     losses = [r["loss"] for r in steps if "loss" in r]
-    step_s = steady([(r["step"], r["elapsed_s"]) for r in steps])
+    step_s, tokens_per_s = training_rate(steps)
     tok = Tokenizer(resolve_model_dir(runs / name))
     texts = read_texts(train)
     bytes_per_token = sum(len(t.encode("utf-8")) for t in texts) / sum(len(tok.encode(t)) + 1 for t in texts)
-    tokens_per_s = 8 * SEQ / step_s
     return Leg(name, shlex.join(map(portable, cmd)), wall, steps[-1]["step"], step_s, tokens_per_s,
                tokens_per_s * bytes_per_token,
                final_loss=losses[-1] if losses else None)
+
+
+def training_rate(steps: list[dict]) -> tuple[float, float]:
+    """Steady seconds a step and tokens a second from a run's step records (step, elapsed_s, tokens_seen).
+
+    Tokens a step come from the run's own count, so a config's batch size or accumulation is counted as trained."""
+    step_s = steady([(r["step"], r["elapsed_s"]) for r in steps])
+    tokens_per_step = (steps[-1]["tokens_seen"] - steps[0]["tokens_seen"]) / (steps[-1]["step"] - steps[0]["step"])
+    return step_s, tokens_per_step / step_s
 
 
 def score_pocketlm(run_dir: Path, held: dict[str, Path]) -> dict[str, float]:

@@ -66,6 +66,12 @@ def test_the_steady_step_leaves_the_first_steps_out():
         vs.steady([(1, 5.0)])
 
 
+def test_the_rate_counts_the_tokens_a_step_the_run_trained():
+    # 16 rows of 512 a step (a config's --batch_size 16, or 8 with --accumulation_steps 2), 2 s a step
+    steps = [{"step": k, "elapsed_s": 3.0 + 2.0 * k, "tokens_seen": 16 * 512 * k} for k in range(1, 8)]
+    assert vs.training_rate(steps) == (2.0, 16 * 512 / 2.0)
+
+
 def test_the_table_compares_with_the_first_leg(tmp_path):
     base = vs.Leg("MiniMind", "mm", 600, 97, 6.0, 400, 1000, {"en": 2.0, "zh": 3.0})
     ours = vs.Leg("default", "pl", 590, 90, 6.5, 630, 2000, {"en": 1.6, "zh": 2.4})
