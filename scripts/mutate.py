@@ -202,6 +202,14 @@ PLAN_EQUIVALENT = (
 GUARD_EQUIVALENT = (
     Equivalent("TimeBudgetGuard.__init__", ('self.replanned_at: int | None = ""', 'self.shown_end: int | None = ""'),
                "start() sets it to None before the guard's first look"),
+    Equivalent("TimeBudgetGuard.__init__", ("self.since = None", "self.since = 1"),
+               "start() sets it to 0 before the guard's first look"),
+    Equivalent("TimeBudgetGuard.step_times", ("if first >= self.since and",),
+               "when first equals since, moving since to first changes nothing and the run's time is computed from "
+               "the same looks again"),
+    Equivalent("TimeBudgetGuard.step_times", ("* FASTER <= steady_s",),
+               "differs only when the slowest recent look is exactly 1/FASTER of the run's time, a float equality of "
+               "measured times; either side of it is tested (a lasting speed-up moves since, a small one does not)"),
     Equivalent("TimeBudgetGuard.run", ("self.shown_end = None",),
                "after a re-plan shown on screen the plan's end is the end shown, which the next re-plan takes as the "
                "last shown when it finds None"),
