@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.portable import portable  # noqa: E402
 from common.device import training_machine  # noqa: E402
+from common.files import METRICS_NAME  # noqa: E402
 from model.config import DEPTH_PREFIX, MAX_DEPTH  # noqa: E402
 from trainer_utils.budget import parse_duration  # noqa: E402
 
@@ -52,7 +53,7 @@ def finished(run_dir: Path) -> dict | None:
     try:
         log = (run_dir / "stderr.txt").read_text().splitlines()
         config = json.loads((run_dir / "train_config.json").read_text())
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        records = [json.loads(line) for line in (run_dir / METRICS_NAME).read_text().splitlines() if line]
     except (OSError, json.JSONDecodeError):
         return None
     spent = [line for line in log if line.startswith("time budget") and "spent (" in line]

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # common.device imports torch: this runs in the project's environment, as the other benchmarks do
 from common.device import cpu_description  # noqa: E402
+from common.files import METRICS_NAME  # noqa: E402
 
 INDEX = "https://pypi.org/simple"
 
@@ -130,7 +131,7 @@ def tree_bytes(path: Path) -> int:
 
 def run_summary(run_dir: Path) -> dict | None:
     """A demo run's steps, its last validation losses and its median training throughput (metrics.jsonl)."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_NAME
     if not path.exists():
         return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -56,6 +56,7 @@ from common.device import (  # noqa: E402
     precision_policy,
     timed,
 )
+from common.files import METRICS_NAME  # noqa: E402
 from model import ModelConfig, PocketLM  # noqa: E402
 from model.config import config_from_flags, get_preset  # noqa: E402
 from model.model import MoE  # noqa: E402
@@ -242,7 +243,7 @@ def loop_metrics(model_args: list[str], name: str, dtype: str, compile_model: bo
         argv.append("--compile")
     with timing_compute() if device.type == "cpu" else contextlib.nullcontext() as compute:
         assert train_pretrain.main(argv) == 0
-    records = [json.loads(line) for line in open(out / run / "metrics.jsonl") if '"loss"' in line]
+    records = [json.loads(line) for line in open(out / run / METRICS_NAME) if '"loss"' in line]
     best = min(range(1, len(records)), key=lambda i: records[i]["step_time_s"])
     if compute is None:
         return {**records[best], "overhead_frac": None}

@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from bench.portable import portable  # noqa: E402
 from common.device import cpu_description  # noqa: E402
 from common.errors import DataError  # noqa: E402
+from common.files import METRICS_NAME  # noqa: E402
 from dataset.jsonl import read_records  # noqa: E402
 from dataset.tokenizer import Tokenizer  # noqa: E402
 from model import load_model  # noqa: E402
@@ -202,7 +203,7 @@ def run_pocketlm(name: str, flags: str, train: Path, out: Path, budget_s: float,
     wall = time.perf_counter() - t0
     if rc != 0:
         raise SystemExit(f"error: {name} exited {rc}; see {out / f'{name}.log'}")
-    records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (runs / name / METRICS_NAME).read_text().splitlines()]
     steps = [r for r in records if "tokens_seen" in r]
     losses = [r["loss"] for r in steps if "loss" in r]
     step_s, tokens_per_s = training_rate(steps)

@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.device import cpu_model  # noqa: E402
+from common.files import METRICS_NAME  # noqa: E402
 from model.config import DEPTH_PREFIX, get_preset  # noqa: E402
 from trainer_utils.loss_model import CONSTANTS, FIT_CONTEXT, FIT_DATA, RECIPE, LossModel, fit, recipe_flags  # noqa: E402
 
@@ -65,7 +66,7 @@ def trained_with_recipe(run_dir: Path) -> bool:
 def last_record(run_dir: Path, steps: int) -> dict | None:
     """The final evaluation and the last log record of a finished run, merged, with its "curve": the validation
     loss at every evaluation, [step, loss] (None: not finished)."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_NAME
     if not path.is_file() or not trained_with_recipe(run_dir):
         return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common.files import METRICS_NAME  # noqa: E402
 from model.loading import resolve_model_dir  # noqa: E402
 
 # what a rerun may change: wall-clock time and the process's memory
@@ -124,7 +125,7 @@ def record(path: Path, dtypes: list[str], demo_recipes: bool = False) -> None:
                 if not weights:  # the comparison must not pass for want of anything to compare
                     sys.exit(f"{name}: no weights in {run_dir}'s latest checkpoint")
                 results[name] = {
-                    "metrics": read_jsonl(run_dir / "metrics.jsonl"),
+                    "metrics": read_jsonl(run_dir / METRICS_NAME),
                     "samples": read_jsonl(run_dir / "samples.jsonl"),
                     "probes": read_jsonl(run_dir / "probes.jsonl"),
                     "rollouts": read_jsonl(run_dir / "rollouts.jsonl"),

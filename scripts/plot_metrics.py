@@ -17,7 +17,9 @@ import math
 import sys
 from pathlib import Path
 
-METRICS_NAME = "metrics.jsonl"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.files import METRICS_NAME  # noqa: E402
+
 SERIES = ("loss", "val_loss", "val_bpb", "lr", "reward")
 
 

@@ -16,6 +16,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.files import METRICS_NAME  # noqa: E402
+
 DEFAULT_KEYS = ("loss", "val_loss", "val_ppl", "val_bpb", "reward_accuracy", "val_reward_accuracy", "val_reward_margin",
                 "ce", "kl", "router_balance", "router_max_load", "tokens_per_s")
 
@@ -23,7 +26,7 @@ DEFAULT_KEYS = ("loss", "val_loss", "val_ppl", "val_bpb", "reward_accuracy", "va
 def records(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl records (malformed lines skipped)."""
     out = []
-    with open(run_dir / "metrics.jsonl", "rb") as f:
+    with open(run_dir / METRICS_NAME, "rb") as f:
         for raw in f:
             try:
                 record = json.loads(raw)
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="each validation file's perplexity at the first and the last evaluation")
     args = p.parse_args(argv)
     for run in args.runs:
-        if not (Path(run) / "metrics.jsonl").is_file():
+        if not (Path(run) / METRICS_NAME).is_file():
             print(f"error: {run}: no metrics.jsonl (not a run directory?)", file=sys.stderr)
             return 2
     if args.before_after:
